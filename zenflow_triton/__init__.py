@@ -1,0 +1,14 @@
+"""zenflow-triton: AdamW for models whose Adam state does not fit on the accelerator.
+
+The important columns of each weight matrix update on the device every step; the rest
+accumulate their gradient and update on the host, asynchronously, every few steps.
+"""
+
+from .config import ConfigError, ZenFlowConfig
+from .host import HostWorkerError
+from .optimizer import NonFiniteGradientError, ZenFlowOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = ["ZenFlowOptimizer", "ZenFlowConfig", "ConfigError", "NonFiniteGradientError",
+           "HostWorkerError", "__version__"]

@@ -1,0 +1,165 @@
+"""ZenFlowConfig: every setting of the optimizer that is not a per-group hyperparameter.
+
+One frozen dataclass, validated up front: a bad value fails at construction with a message
+that names the field and the allowed range, never later inside a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Union, get_args
+
+Backend = Literal["auto", "torch", "triton"]
+Score = Literal["l2", "l1"]
+AccumulateOn = Literal["device", "host"]
+
+DEFAULT_CHUNK_SIZE = 1 << 22  # 4M fp32 elements = 16 MiB per staging buffer
+DEFAULT_MIN_OFFLOAD_NUMEL = 4096
+DEFAULT_SELECT_INTERVAL_WINDOWS = 16  # select_interval=None -> 16 update windows
+
+
+class ConfigError(ValueError):
+    """A ZenFlowConfig field holds a value outside its allowed range."""
+
+
+@dataclass(frozen=True)
+class ZenFlowConfig:
+    """Settings of a :class:`~zenflow_triton.ZenFlowOptimizer` (see DESIGN.md, "Semantics")."""
+
+    topk_ratio: float = 0.1
+    """Fraction of each matrix param's columns updated on the device every step, in [0, 1].
+    0 sends every column to the host (ZeRO-Offload when update_interval=1, overlap=False);
+    1 keeps every column on the device (plain AdamW)."""
+
+    update_interval: int = 4
+    """Steps per host window (>= 1): host-owned columns accumulate their gradient for this many
+    steps, then get one host AdamW step on the window-mean gradient."""
+
+    select_interval: int | None = None
+    """Steps between column reselections; a positive multiple of update_interval.
+    None means 16 * update_interval."""
+
+    overlap: bool = True
+    """True: the host result of the window ending at step t is applied at t + update_interval
+    (the host works while the device trains). False: it is applied at t (synchronous)."""
+
+    warmup_steps: int = 0
+    """Steps (>= 0) of synchronous full host updates before the first selection."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Elements (>= 1) per host chunk: bounds staging memory; chunks pipeline copy and compute."""
+
+    min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL
+    """Matrix params (dim >= 2) with at least this many elements (>= 1) are split by columns;
+    smaller ones and all 1-D params are device-owned entirely."""
+
+    accumulate_on: AccumulateOn = "device"
+    """Where the gradient of host-owned columns is summed over a window: "device" (one
+    transfer per window) or "host" (one transfer per step, less device memory)."""
+
+    score: Score = "l2"
+    """Column importance: "l2" = sum of squared gradients per column, "l1" = sum of |g|."""
+
+    backend: Backend = "auto"
+    """Kernel backend for the device half: "triton", "torch" (reference), or "auto"
+    (triton where params live on a CUDA/ROCm device, torch elsewhere)."""
+
+    host_threads: int | None = None
+    """Threads (>= 1) of the host AdamW pool; None = torch.get_num_threads()."""
+
+    host_lr_scale: Union[float, Literal["auto"]] = "auto"
+    """Host learning-rate multiplier (> 0): "auto" means update_interval (a deferred column gets
+    one Adam step per window); 1.0 gives ZenFlow's and DeepSpeed's semantics."""
+
+    check_finite: bool = True
+    """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any
+    state. False: non-finite values flow into the update as in torch.optim.AdamW."""
+
+    host_timeout: float = 600.0
+    """Seconds (> 0) any wait for host work may take before it raises TimeoutError."""
+
+    def __post_init__(self) -> None:
+        _check_number("topk_ratio", self.topk_ratio, float, lo=0.0, hi=1.0, rng="[0, 1]")
+        _check_number("update_interval", self.update_interval, int, lo=1, rng=">= 1")
+        if self.select_interval is not None:
+            _check_number("select_interval", self.select_interval, int, lo=1,
+                          rng="a positive multiple of update_interval")
+            if self.select_interval % self.update_interval != 0:
+                raise ConfigError(
+                    f"select_interval={self.select_interval} must be a positive multiple of "
+                    f"update_interval={self.update_interval}"
+                )
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"overlap must be a bool, got {self.overlap!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
+        _check_number("warmup_steps", self.warmup_steps, int, lo=0, rng=">= 0")
+        _check_number("chunk_size", self.chunk_size, int, lo=1, rng=">= 1")
+        _check_number("min_offload_numel", self.min_offload_numel, int, lo=1, rng=">= 1")
+        _check_choice("accumulate_on", self.accumulate_on, AccumulateOn)
+        _check_choice("score", self.score, Score)
+        _check_choice("backend", self.backend, Backend)
+        if self.host_threads is not None:
+            _check_number("host_threads", self.host_threads, int, lo=1, rng=">= 1 or None")
+        if self.host_lr_scale != "auto":
+            _check_number("host_lr_scale", self.host_lr_scale, float, lo=0.0, lo_open=True,
+                          rng='> 0 or "auto"')
+        _check_number("host_timeout", self.host_timeout, float, lo=0.0, lo_open=True, rng="> 0")
+
+    # ---- derived values -------------------------------------------------------------
+    @property
+    def effective_select_interval(self) -> int:
+        if self.select_interval is None:
+            return DEFAULT_SELECT_INTERVAL_WINDOWS * self.update_interval
+        return self.select_interval
+
+    @property
+    def effective_host_lr_scale(self) -> float:
+        if self.host_lr_scale == "auto":
+            return float(self.update_interval)
+        return float(self.host_lr_scale)
+
+    def replace(self, **changes: Any) -> "ZenFlowConfig":
+        """A copy with some fields changed (validated like a new config)."""
+        unknown = set(changes) - set(self.field_names())
+        if unknown:
+            raise ConfigError(f"unknown ZenFlowConfig field(s): {sorted(unknown)}; "
+                              f"known: {self.field_names()}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Primitives only (safe for state_dict and JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ZenFlowConfig":
+        unknown = set(d) - set(cls.field_names())
+        if unknown:
+            raise ConfigError(f"unknown ZenFlowConfig field(s): {sorted(unknown)}; "
+                              f"known: {cls.field_names()}")
+        return cls(**d)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _check_number(name: str, value: Any, kind: type, *, lo: float | None = None,
+                  hi: float | None = None, lo_open: bool = False, rng: str) -> None:
+    ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+    if isinstance(value, bool) or not ok_type:
+        raise ConfigError(f"{name} must be {'a number' if kind is float else 'an int'} ({rng}), "
+                          f"got {value!r}")
+    if value != value:  # NaN
+        raise ConfigError(f"{name} must be {rng}, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        raise ConfigError(f"{name} must be {rng}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{name} must be {rng}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, lit: Any) -> None:
+    allowed = get_args(lit)
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -1,0 +1,75 @@
+"""The device half's compute ops: the one door between the optimizer and the kernels.
+
+The optimizer asks ``get_ops(backend)`` for a :class:`KernelOps` and calls only its fields.
+Each op lives in its own file (Triton kernel -> launcher -> torch reference ``*_ref``);
+the torch references define the semantics and are what tests compare the Triton kernels to.
+
+Signatures (all in place unless they return):
+
+* ``column_scores(g2d, norm, out=None) -> fp32 [cols]``: sum over rows of g**2 ("l2") or
+  |g| ("l1"), added into ``out`` when given.
+* ``selective_adamw(p2d, g2d, idx, m, v, master, *, lr, beta1, beta2, eps, weight_decay,
+  step)``: AdamW on columns ``idx`` of ``p2d`` with compact fp32 state [rows, k].
+* ``adamw(params, grads, ms, vs, masters, steps, *, lr, beta1, beta2, eps, weight_decay)``:
+  full AdamW over a list of tensors sharing the hyperparameters.
+* ``accumulate_columns(acc, g2d, idx, scale)``: acc += scale * g2d[:, idx] (fp32 acc).
+* ``gather_columns(src2d, idx, dtype=None) -> [rows, k]`` and
+  ``scatter_columns(dst2d, idx, src)``: column moves with a cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .accumulate import accumulate_columns_ref
+from .adamw import adamw_ref
+from .column_scores import column_scores_ref
+from .columns import gather_columns_ref, scatter_columns_ref
+from .selective_adamw import selective_adamw_ref
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str
+    column_scores: Callable
+    selective_adamw: Callable
+    adamw: Callable
+    accumulate_columns: Callable
+    gather_columns: Callable
+    scatter_columns: Callable
+
+
+TORCH_OPS = KernelOps(
+    name="torch",
+    column_scores=column_scores_ref,
+    selective_adamw=selective_adamw_ref,
+    adamw=adamw_ref,
+    accumulate_columns=accumulate_columns_ref,
+    gather_columns=gather_columns_ref,
+    scatter_columns=scatter_columns_ref,
+)
+
+
+def triton_available() -> tuple[bool, str]:
+    """Whether the Triton backend can run here, and why not when it cannot."""
+    try:
+        from . import triton_ops  # noqa: F401  (lazy: triton import is slow)
+    except ImportError as e:  # kernels not built into this install, or triton missing
+        return False, f"Triton backend unavailable: {e}"
+    return True, ""
+
+
+def get_ops(backend: str) -> KernelOps:
+    """The ops of ``backend`` ("torch" or "triton")."""
+    if backend == "torch":
+        return TORCH_OPS
+    if backend == "triton":
+        ok, why = triton_available()
+        if not ok:
+            raise RuntimeError(why)
+        from .triton_ops import TRITON_OPS
+        return TRITON_OPS
+    raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")

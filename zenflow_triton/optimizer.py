@@ -1,0 +1,501 @@
+"""ZenFlowOptimizer: the per-step orchestration (DESIGN.md, "Semantics").
+
+This module decides *when* things happen; ``kernels`` compute, ``host`` runs the host half,
+``transfer`` moves and counts bytes, ``partition`` says who owns which columns.
+
+Schedule, with t the global step (1-based) and u = t - warmup_steps:
+
+* t <= warmup_steps: every column of a matrix param is host-owned, and its gradient gets a
+  synchronous host AdamW step at once (ZeRO-Offload).
+* selection at the start of steps u = 1, 1 + select_interval, ...: drain the host pipeline
+  (wait, apply), score the current gradient, migrate the columns that change owner.
+* every step: fused AdamW on the device-owned columns and on small params; the gradient of
+  the host-owned columns is added to the window accumulator.
+* update boundary u % update_interval == 0: the window-mean gradient goes to the host, which
+  runs AdamW on the host-owned columns (lr * host_lr_scale). With overlap=True the result is
+  written into the param at the next boundary, with overlap=False at once. The apply point is
+  fixed by the step count, never by thread timing, so training is bit-for-bit reproducible.
+
+Ordering invariant of the async part: a host job owns, until the optimizer has waited for it,
+the host master/moments of the host-owned columns and the window's gradient copy; the main
+thread touches neither before ``_wait_inflight()``. Everything else (the param, the device
+state, the next window's accumulator) belongs to the main thread.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .config import ZenFlowConfig
+from .host import HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError
+from .kernels import KernelOps, get_ops, triton_available
+from .partition import (MATRIX, SMALL, classify, init_matrix_state, migrate, new_accumulator,
+                        num_selected, select_columns, view2d)
+from .transfer import Link, host_zeros, to_host_memory
+
+_SD_KEY = "zenflow"
+_SD_VERSION = 1
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient holds NaN or inf; raised by step() before any state changes."""
+
+
+class ZenFlowOptimizer(torch.optim.Optimizer):
+    """AdamW whose important columns update on the device every step and the rest on the host.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs, or param-group dicts (per-group
+            lr / betas / eps / weight_decay), as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: AdamW hyperparameters (decoupled weight decay).
+        config: a :class:`ZenFlowConfig`; or give its fields as keywords (not both).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, config: ZenFlowConfig | None = None,
+                 **config_fields: Any) -> None:
+        if config is not None and config_fields:
+            raise TypeError("give either config=ZenFlowConfig(...) or its fields as keywords, "
+                            f"not both (got config and {sorted(config_fields)})")
+        unknown = set(config_fields) - set(ZenFlowConfig.field_names())
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; "
+                            f"ZenFlowConfig fields are {ZenFlowConfig.field_names()}")
+        self.config = config if config is not None else ZenFlowConfig(**config_fields)
+        _check_hyper(lr, betas, eps, weight_decay, where="defaults")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                         where=f"param group {gi}")
+            for p in group["params"]:
+                if p.is_complex():
+                    raise TypeError(f"{self._param_name(p)} is complex; ZenFlowOptimizer "
+                                    "supports real floating-point params only")
+                if not p.is_floating_point():
+                    raise TypeError(f"{self._param_name(p)} has dtype {p.dtype}; "
+                                    "only floating-point params can be optimized")
+                if classify(p, self.config) == MATRIX and not p.is_contiguous():
+                    raise ValueError(f"{self._param_name(p)} is not contiguous; "
+                                     "column-split params must be contiguous")
+        self._backend = self._resolve_backend()
+        self.ops: KernelOps = get_ops(self._backend)
+        self.link = Link()
+        threads = self.config.host_threads or max(1, torch.get_num_threads())
+        self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout)
+        self._worker = HostWorker(self.config.host_timeout)
+        self._inflight: HostJob | None = None
+        self._closed = False
+        self._training = True
+        self._global_step = 0
+        self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0,
+                              host_wait_seconds=0.0, host_busy_seconds=0.0)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_profile(cls, name: str, params: Iterable, lr: float = 1e-3,
+                     **overrides: Any) -> "ZenFlowOptimizer":
+        """An optimizer with the tuned settings of hardware profile ``name``; ``overrides``
+        (config fields or betas/eps/weight_decay) win and are validated."""
+        from .profiles import load_profile  # lazy: profiles are not needed otherwise
+
+        settings = dict(load_profile(name).settings)
+        settings.update(overrides)
+        return cls(params, lr=lr, **settings)
+
+    def _resolve_backend(self) -> str:
+        want = self.config.backend
+        on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
+        if want == "auto":
+            return "triton" if on_gpu and triton_available()[0] else "torch"
+        if want == "triton":
+            ok, why = triton_available()
+            if not ok:
+                raise RuntimeError(f'backend="triton" requested but {why}')
+        return want
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
+                    label = f"'{names[pi]}'" if names else f"param {pi} of group {gi}"
+                    return f"{label} (shape {tuple(p.shape)}, {p.dtype})"
+        return f"param of shape {tuple(p.shape)}"
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """One optimizer step; ``closure`` (re-)computes the loss under grad mode first."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._collect_grads()  # validates every gradient before any state changes
+
+        self._global_step += 1
+        cfg = self.config
+        u = self._global_step - cfg.warmup_steps
+        warmup = u <= 0
+        if not warmup and (u - 1) % cfg.effective_select_interval == 0:
+            self._reselect(work)
+        elif not warmup:
+            # A param seen for the first time after a selection boundary selects now (its
+            # accumulator is empty and nothing of it is pending).
+            fresh = [(g, p, gr) for g, p, gr in work
+                     if self.state[p].get("kind") == MATRIX and not self.state[p]["selected"]
+                     and self.state[p]["acc_count"] == 0 and not self.state[p]["host_pending"]]
+            if fresh:
+                self._select(fresh)
+
+        self._device_update(work)
+        self._accumulate(work)
+
+        boundary = warmup or u % cfg.update_interval == 0
+        if boundary:
+            if cfg.overlap and not warmup:
+                self._drain()          # apply the window that ended update_interval ago
+                self._launch_host()
+            else:
+                self._launch_host()
+                self._drain()          # synchronous: apply this window's result now
+        return loss
+
+    def _collect_grads(self) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or not p.requires_grad:
+                    continue
+                if g.is_sparse or g.layout != torch.strided:
+                    raise TypeError(f"{self._param_name(p)} has a sparse gradient; "
+                                    "ZenFlowOptimizer supports dense gradients only")
+                if g.is_complex():
+                    raise TypeError(f"{self._param_name(p)} has a complex gradient; "
+                                    "ZenFlowOptimizer supports real gradients only")
+                if g.shape != p.shape:
+                    raise ValueError(f"{self._param_name(p)}: gradient shape "
+                                     f"{tuple(g.shape)} does not match the param")
+                work.append((group, p, g))
+        if self.config.check_finite and work:
+            finite = torch.stack([torch.isfinite(g).all() for _, _, g in work])
+            if not bool(finite.all()):
+                bad = [self._param_name(p) for (_, p, _), ok in zip(work, finite.tolist())
+                       if not ok]
+                raise NonFiniteGradientError(
+                    f"non-finite gradient (NaN or inf) in {', '.join(bad)}; no optimizer state "
+                    "was changed by this step (skip it, e.g. with torch.amp.GradScaler, or "
+                    "construct with check_finite=False to let it propagate as AdamW does)")
+        for _, p, _ in work:
+            if not self.state[p]:
+                self._init_state(p)
+        return work
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        if classify(p, self.config) == MATRIX:
+            self.state[p] = init_matrix_state(p, self.link, self.config.accumulate_on)
+            return
+        st = {"kind": SMALL, "step": 0,
+              "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+              "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+        if p.dtype != torch.float32:
+            st["master"] = p.detach().float().clone()
+        self.state[p] = st
+
+    # ------------------------------------------------------------------ selection
+    def _reselect(self, work) -> None:
+        self._drain()
+        self._counters["selection_refreshes"] += 1
+        self._select([w for w in work if self.state[w[1]]["kind"] == MATRIX])
+
+    def _select(self, items) -> None:
+        for group, p, g in items:
+            st = self.state[p]
+            g2d = view2d(g)
+            k = num_selected(g2d.shape[1], self.config.topk_ratio)
+            scores = self.ops.column_scores(g2d, self.config.score)
+            idx = select_columns(scores, k)
+            beta1, beta2 = group["betas"]
+            self._counters["columns_migrated"] += migrate(
+                p, st, idx, beta1=beta1, beta2=beta2, ops=self.ops, link=self.link,
+                accumulate_on=self.config.accumulate_on)
+
+    # ------------------------------------------------------------------ device half
+    def _device_update(self, work) -> None:
+        by_group: dict[int, list] = {}
+        for group, p, g in work:
+            st = self.state[p]
+            if st["kind"] == SMALL:
+                by_group.setdefault(id(group), [group, []])[1].append((p, g, st))
+                continue
+            if st["device_idx"].numel() == 0:
+                continue
+            st["device_step"] += 1
+            beta1, beta2 = group["betas"]
+            self.ops.selective_adamw(
+                view2d(p.detach()), view2d(g), st["device_idx"], st["device_m"], st["device_v"],
+                st.get("device_master"), lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"], step=st["device_step"])
+        for group, items in by_group.values():
+            for _, _, st in items:
+                st["step"] += 1
+            beta1, beta2 = group["betas"]
+            self.ops.adamw([p.detach() for p, _, _ in items], [g for _, g, _ in items],
+                           [st["exp_avg"] for _, _, st in items],
+                           [st["exp_avg_sq"] for _, _, st in items],
+                           [st.get("master") for _, _, st in items],
+                           [st["step"] for _, _, st in items], lr=group["lr"], beta1=beta1,
+                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _accumulate(self, work) -> None:
+        for group, p, g in work:
+            st = self.state[p]
+            if st["kind"] != MATRIX or st["host_idx"].numel() == 0:
+                continue
+            g2d = view2d(g)
+            host_idx = st["host_idx"].to(g.device)
+            if self.config.accumulate_on == "device":
+                self.ops.accumulate_columns(st["acc"], g2d, host_idx, 1.0)
+            else:  # the columns cross the link every step, in the grad's dtype
+                cols = self.link.to_host(self.ops.gather_columns(g2d, host_idx))
+                st["acc"].add_(cols)
+            st["acc_count"] += 1
+
+    # ------------------------------------------------------------------ host half
+    def _launch_host(self) -> None:
+        """Hand every param's window-mean gradient to the host worker (one job)."""
+        assert self._inflight is None, "a host job is still in flight"
+        tasks = []
+        scale = self.config.effective_host_lr_scale
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st or st["kind"] != MATRIX or st["acc_count"] == 0:
+                    continue
+                acc, count = st["acc"], st["acc_count"]
+                if self.config.accumulate_on == "device":
+                    grad = self.link.to_host(acc)  # fp32 window sum, one transfer a window
+                    acc.zero_()
+                else:
+                    grad = acc
+                    st["acc"] = new_accumulator(acc.shape[0], acc.shape[1], p.device, "host")
+                st["acc_count"] = 0
+                st["host_step"] += 1
+                st["host_pending"] = True
+                hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
+                                  eps=group["eps"], weight_decay=group["weight_decay"],
+                                  step=st["host_step"])
+                tasks.append((st["host_master"], grad, count, st["host_m"], st["host_v"],
+                              hyper))
+        if not tasks:
+            return
+        adamw = self._host_adamw
+
+        def run() -> None:
+            for master, grad, count, m, v, hyper in tasks:
+                if count != 1:
+                    grad.div_(count)  # window mean
+                adamw.update(master, grad, m, v, hyper)
+
+        self._counters["host_updates"] += 1
+        self._inflight = self._worker.submit(run, f"host AdamW of step {self._global_step}")
+
+    def _wait_inflight(self) -> None:
+        job = self._inflight
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._worker.wait(job)
+        finally:
+            self._counters["host_wait_seconds"] += time.perf_counter() - t0
+            if job.done.is_set():
+                self._counters["host_busy_seconds"] += job.busy_seconds
+                self._inflight = None
+
+    def _drain(self) -> None:
+        """Wait for host work in flight, then write every pending host result into its param."""
+        self._wait_inflight()
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and st.get("host_pending"):
+                    self.ops.scatter_columns(
+                        view2d(p.detach()), st["host_idx"].to(p.device),
+                        self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
+                    st["host_pending"] = False
+
+    # ------------------------------------------------------------------ public helpers
+    def synchronize(self) -> None:
+        """Finish all host work and apply it to the params now (changes the schedule once:
+        the deferred columns skip their staleness; deterministic)."""
+        self._check_open()
+        self._drain()
+
+    def train(self) -> "ZenFlowOptimizer":
+        self._training = True
+        return self
+
+    def eval(self) -> "ZenFlowOptimizer":
+        """Apply pending host results so evaluation sees fully updated weights."""
+        self._training = False
+        if not self._closed:
+            self._drain()
+        return self
+
+    @property
+    def training(self) -> bool:
+        return self._training
+
+    def stats(self) -> dict[str, Any]:
+        dev_elems = total = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                total += p.numel()
+                st = self.state.get(p)
+                if st and st["kind"] == MATRIX:
+                    dev_elems += st["device_idx"].numel() * p.shape[0]
+                elif classify(p, self.config) == SMALL:
+                    dev_elems += p.numel()
+        return dict(steps=self._global_step, backend=self._backend,
+                    bytes_device_to_host=self.link.bytes_d2h,
+                    bytes_host_to_device=self.link.bytes_h2d,
+                    device_owned_fraction=dev_elems / total if total else 0.0,
+                    host_inflight=self._inflight is not None, **self._counters)
+
+    def close(self) -> None:
+        """Stop the host threads (after waiting for work in flight); idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            if self._inflight is not None:
+                self._worker.wait(self._inflight)
+        except Exception:  # closing must not raise for a job that already failed
+            pass
+        finally:
+            self._inflight = None
+            self._worker.close()
+            self._host_adamw.close()
+
+    def __enter__(self) -> "ZenFlowOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ZenFlowOptimizer is closed")
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and primitives only. Host work in flight is finished first and saved as
+        pending (``host_pending``), to be applied at the step it would have been anyway."""
+        if not self._closed:
+            self._wait_inflight()
+        sd = super().state_dict()
+        sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
+        sd[_SD_KEY] = {"version": _SD_VERSION, "global_step": self._global_step,
+                       "config": self.config.to_dict(), "backend": self._backend,
+                       "counters": dict(self._counters),
+                       "bytes_device_to_host": self.link.bytes_d2h,
+                       "bytes_host_to_device": self.link.bytes_h2d}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict()``; device state goes to each param's device, host state to
+        (pinned) host memory, index tensors stay int64, whatever device or dtype a framework
+        moved them to."""
+        self._check_open()
+        if "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("not an optimizer state_dict: missing 'state' or 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved_groups)} param groups, this "
+                             f"optimizer has {len(self.param_groups)}")
+        for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
+                                 f"params, this optimizer has {len(g['params'])}")
+        self._wait_inflight()
+        meta = state_dict.get(_SD_KEY, {})
+        if meta.get("version", _SD_VERSION) > _SD_VERSION:
+            raise ValueError(f"state_dict format version {meta['version']} is newer than this "
+                             f"zenflow-triton supports ({_SD_VERSION})")
+        id_map = {}
+        for g, sg in zip(self.param_groups, saved_groups):
+            id_map.update(zip(sg["params"], g["params"]))
+            for key, value in sg.items():
+                if key not in ("params", "param_names"):
+                    g[key] = tuple(value) if key == "betas" else value
+        self.state.clear()
+        for key, saved in state_dict["state"].items():
+            if key not in id_map:
+                raise ValueError(f"state_dict has state for param index {key}, which no group "
+                                 "holds")
+            p = id_map[key]
+            self.state[p] = self._restore_param_state(p, saved)
+        self._global_step = int(meta.get("global_step", 0))
+        self._counters.update(meta.get("counters", {}))
+        self.link.bytes_d2h = int(meta.get("bytes_device_to_host", 0))
+        self.link.bytes_h2d = int(meta.get("bytes_host_to_device", 0))
+
+    def _restore_param_state(self, p: torch.Tensor, saved: dict) -> dict:
+        kind = saved.get("kind")
+        if kind not in (MATRIX, SMALL):
+            raise ValueError(f"state for {self._param_name(p)} has unknown kind {kind!r}")
+        st: dict[str, Any] = {}
+        acc_on_host = self.config.accumulate_on == "host"
+        for key, value in saved.items():
+            if not isinstance(value, torch.Tensor):
+                st[key] = value
+                continue
+            is_idx = key.endswith("_idx")
+            dtype = torch.long if is_idx else torch.float32
+            if key.startswith("host_") or (key == "acc" and acc_on_host):
+                st[key] = to_host_memory(value.to("cpu"), dtype)
+            else:
+                st[key] = value.to(device=p.device, dtype=dtype, copy=True)
+        if kind == MATRIX:
+            st["host_idx"] = st["host_idx"].cpu()
+            if "acc" not in st:
+                st["acc"] = new_accumulator(p.shape[0], st["host_idx"].numel(), p.device,
+                                            self.config.accumulate_on)
+        return st
+
+
+def _check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
+    if isinstance(lr, torch.Tensor):
+        raise TypeError(f"{where}: lr must be a Python float, got a Tensor")
+    if not 0.0 <= lr:
+        raise ValueError(f"{where}: lr must be >= 0, got {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"{where}: eps must be >= 0, got {eps}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"{where}: weight_decay must be >= 0, got {weight_decay}")
+
+
+__all__ = ["ZenFlowOptimizer", "NonFiniteGradientError", "HostWorkerError"]
