@@ -142,6 +142,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = self._collect_grads()  # validates every gradient before any state changes
+        if not self._worker.alive:  # fail before this step changes anything
+            raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
+                                  "(load a checkpoint into a new optimizer)")
 
         self._global_step += 1
         cfg = self.config

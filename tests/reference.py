@@ -1,0 +1,149 @@
+"""A pure-Python, single-threaded reference of ZenFlow's schedule (DESIGN.md, "Semantics").
+
+Written independently of the library's code paths: full-width fp32 state per matrix param,
+an ownership mask per column, one Adam step count per side, every host update computed at
+its launching step and written into the param at its apply step. No threads, no compact
+buffers, no transfer layer: if the library's async pipeline computed anything different from
+this, the trajectories would differ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step):
+    bc1 = 1.0 - b1 ** step
+    bc2s = math.sqrt(1.0 - b2 ** step)
+    w.mul_(1.0 - lr * wd)
+    m.lerp_(g, 1.0 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+    w.addcdiv_(m, (v.sqrt() / bc2s).add_(eps), value=-(lr / bc1))
+
+
+class ReferenceZenFlow:
+    def __init__(self, param_groups, *, topk_ratio, update_interval, select_interval,
+                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale=None):
+        self.groups = param_groups
+        self.ratio = topk_ratio
+        self.ui = update_interval
+        self.si = select_interval
+        self.overlap = overlap
+        self.warmup = warmup_steps
+        self.min_numel = min_offload_numel
+        self.host_scale = float(update_interval if host_lr_scale is None else host_lr_scale)
+        self.t = 0
+        self.st = {}
+
+    def _is_matrix(self, p):
+        return p.dim() >= 2 and p.numel() >= self.min_numel
+
+    def _init(self, p):
+        rows = p.shape[0]
+        cols = p.numel() // rows
+        if not self._is_matrix(p):
+            return {"w": p.detach().double().float().clone(), "m": torch.zeros(p.shape),
+                    "v": torch.zeros(p.shape), "step": 0}
+        return {"w": p.detach().reshape(rows, cols).float().clone(),
+                "m": torch.zeros(rows, cols), "v": torch.zeros(rows, cols),
+                "dev": torch.zeros(cols, dtype=torch.bool), "sd": 0, "sh": 0,
+                "acc": torch.zeros(rows, cols), "n": 0, "pending": False, "selected": False}
+
+    def _apply_pending(self):
+        for group in self.groups:
+            for p in group["params"]:
+                s = self.st.get(id(p))
+                if s and "dev" in s and s["pending"]:
+                    p2 = p.detach().view(s["w"].shape)
+                    host = ~s["dev"]
+                    p2[:, host] = s["w"][:, host].to(p.dtype)
+                    s["pending"] = False
+
+    def _select(self, p, g, group):
+        s = self.st[id(p)]
+        g2 = g.reshape(s["w"].shape).float()
+        cols = g2.shape[1]
+        k = 0 if self.ratio <= 0 else min(cols, max(1, round(self.ratio * cols)))
+        scores = (g2 * g2).sum(0)
+        chosen = sorted(range(cols), key=lambda j: (-scores[j].item(), j))[:k]
+        new = torch.zeros(cols, dtype=torch.bool)
+        new[chosen] = True
+        old = s["dev"]
+        b1, b2 = group["betas"]
+        sd, sh = s["sd"], s["sh"]
+        if not old.any():
+            sd = sh
+        elif old.all():
+            sh = sd
+        elif sh == 0:
+            sh = sd
+        elif sd == 0:
+            sd = sh
+        for cols_moving, src, dst in ((old & ~new, sd, sh), (new & ~old, sh, sd)):
+            if src in (0, dst):
+                continue
+            s["m"][:, cols_moving] *= (1 - b1 ** dst) / (1 - b1 ** src)
+            s["v"][:, cols_moving] *= (1 - b2 ** dst) / (1 - b2 ** src)
+        s["sd"], s["sh"], s["dev"], s["selected"] = sd, sh, new, True
+
+    def step(self):
+        self.t += 1
+        u = self.t - self.warmup
+        warm = u <= 0
+        live = [(grp, p, p.grad) for grp in self.groups for p in grp["params"]
+                if p.grad is not None]
+        for _, p, _ in live:
+            self.st.setdefault(id(p), self._init(p))
+        if not warm and (u - 1) % self.si == 0:
+            self._apply_pending()
+            for grp, p, g in live:
+                if "dev" in self.st[id(p)]:
+                    self._select(p, g, grp)
+        elif not warm:
+            for grp, p, g in live:
+                s = self.st[id(p)]
+                if "dev" in s and not s["selected"] and s["n"] == 0 and not s["pending"]:
+                    self._select(p, g, grp)
+        for grp, p, g in live:
+            s = self.st[id(p)]
+            b1, b2 = grp["betas"]
+            hp = dict(lr=grp["lr"], b1=b1, b2=b2, eps=grp["eps"], wd=grp["weight_decay"])
+            if "dev" not in s:
+                s["step"] += 1
+                _adamw(s["w"], g.float(), s["m"], s["v"], step=s["step"], **hp)
+                p.detach().copy_(s["w"])
+                continue
+            g2 = g.reshape(s["w"].shape).float()
+            d = s["dev"]
+            if d.any():
+                s["sd"] += 1
+                w, m, v = s["w"][:, d], s["m"][:, d], s["v"][:, d]
+                _adamw(w, g2[:, d], m, v, step=s["sd"], **hp)
+                s["w"][:, d], s["m"][:, d], s["v"][:, d] = w, m, v
+                p.detach().view(s["w"].shape)[:, d] = w.to(p.dtype)
+            if (~d).any():
+                s["acc"][:, ~d] += g2[:, ~d]
+                s["n"] += 1
+        if warm or u % self.ui == 0:
+            if self.overlap and not warm:
+                self._apply_pending()
+            for grp in self.groups:
+                b1, b2 = grp["betas"]
+                for p in grp["params"]:
+                    s = self.st.get(id(p))
+                    if not s or "dev" not in s or s["n"] == 0:
+                        continue
+                    h = ~s["dev"]
+                    s["sh"] += 1
+                    w, m, v = s["w"][:, h], s["m"][:, h], s["v"][:, h]
+                    mean = s["acc"][:, h] / s["n"] if s["n"] != 1 else s["acc"][:, h]
+                    _adamw(w, mean, m, v, lr=grp["lr"] * self.host_scale, b1=b1, b2=b2,
+                           eps=grp["eps"], wd=grp["weight_decay"], step=s["sh"])
+                    s["w"][:, h], s["m"][:, h], s["v"][:, h] = w, m, v
+                    s["acc"].zero_()
+                    s["n"] = 0
+                    s["pending"] = True
+            if not self.overlap or warm:
+                self._apply_pending()

@@ -1,0 +1,131 @@
+"""Save / load / resume: a resumed run equals the uninterrupted one, bit for bit."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from zenflow_triton import ZenFlowOptimizer
+
+from .helpers import batches, clone_model, make_model, param_groups, params_of, train, warmup_lambda
+
+CFG = dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
+           min_offload_numel=64, host_threads=2, chunk_size=101)
+
+
+def roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)  # as HF Trainer loads optimizer state
+
+
+def fresh(model, **cfg):
+    opt = ZenFlowOptimizer(param_groups(model), **{**CFG, **cfg})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda)
+    return opt, sched
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype):
+    data = batches(30)
+    model = make_model(dtype=dtype)
+    opt, sched = fresh(model, accumulate_on=accumulate_on)
+    train(model, opt, data, sched)
+    opt.synchronize()
+    want = params_of(model)
+    opt.close()
+
+    model = make_model(dtype=dtype)
+    opt, sched = fresh(model, accumulate_on=accumulate_on)
+    train(model, opt, data[:13], sched)  # the window that ended at step 12 is in flight
+    assert opt.stats()["host_inflight"]
+    saved = roundtrip({"model": clone_model(model).state_dict(), "opt": opt.state_dict(),
+                       "sched": sched.state_dict()})
+    assert not opt.stats()["host_inflight"]  # state_dict() waited for it ...
+    # ... and saved its result as pending, not applied: the params still hold the old values.
+    pending = [s["host_pending"] for s in saved["opt"]["state"].values() if s["kind"] == "matrix"]
+    assert pending and all(pending)
+    # The uninterrupted run continues from the same object: saving changed nothing.
+    train(model, opt, data[13:], sched)
+    opt.synchronize()
+    for a, b in zip(params_of(model), want):
+        assert torch.equal(a, b)
+    opt.close()
+
+    model2 = make_model(seed=123, dtype=dtype)  # different init: everything must come from the save
+    model2.load_state_dict(saved["model"])
+    opt2, sched2 = fresh(model2, accumulate_on=accumulate_on)
+    opt2.load_state_dict(saved["opt"])
+    sched2.load_state_dict(saved["sched"])
+    train(model2, opt2, data[13:], sched2)
+    opt2.synchronize()
+    for a, b in zip(params_of(model2), want):
+        assert torch.equal(a, b)
+    opt2.close()
+
+
+def test_state_dict_shows_the_split_and_keeps_index_dtypes():
+    model = make_model()
+    opt, _ = fresh(model)
+    train(model, opt, batches(5))
+    sd = roundtrip(opt.state_dict())
+    mats = [s for s in sd["state"].values() if s["kind"] == "matrix"]
+    smalls = [s for s in sd["state"].values() if s["kind"] == "small"]
+    assert mats and smalls
+    for s in mats:
+        rows = s["host_m"].shape[0]
+        assert s["device_idx"].dtype == torch.long and s["host_idx"].dtype == torch.long
+        assert s["device_m"].shape == (rows, s["device_idx"].numel())
+        assert s["host_m"].shape == (rows, s["host_idx"].numel())
+        both = torch.cat([s["device_idx"], s["host_idx"]]).sort().values
+        assert torch.equal(both, torch.arange(both.numel()))
+    assert sd["zenflow"]["global_step"] == 5
+    # A framework that casts every state tensor to the param dtype (torch's default
+    # Optimizer.load_state_dict does) must not break index tensors.
+    for s in sd["state"].values():
+        for k, v in list(s.items()):
+            if isinstance(v, torch.Tensor):
+                s[k] = v.to(torch.float64)
+    opt2, _ = fresh(make_model())
+    opt2.load_state_dict(sd)
+    for s in opt2.state.values():
+        if s["kind"] == "matrix":
+            assert s["device_idx"].dtype == torch.long and s["host_idx"].dtype == torch.long
+            assert s["host_m"].dtype == torch.float32
+    opt.close()
+    opt2.close()
+
+
+def test_roundtrip_before_first_step():
+    """Accelerate saves and loads at prepare(), before any step."""
+    data = batches(10)
+    model = make_model()
+    opt, _ = fresh(model)
+    sd = roundtrip(opt.state_dict())
+    assert sd["state"] == {}
+    opt.load_state_dict(sd)
+    train(model, opt, data)
+    opt.synchronize()
+    got = params_of(model)
+    model2 = make_model()
+    opt2, _ = fresh(model2)
+    train(model2, opt2, data)
+    opt2.synchronize()
+    for a, b in zip(got, params_of(model2)):
+        assert torch.equal(a, b)
+    opt.close()
+    opt2.close()
+
+
+def test_load_rejects_mismatched_groups():
+    model = make_model()
+    opt, _ = fresh(model)
+    sd = opt.state_dict()
+    sd["param_groups"] = sd["param_groups"][:1]
+    with pytest.raises(ValueError, match="param groups"):
+        opt.load_state_dict(sd)
+    opt.close()
