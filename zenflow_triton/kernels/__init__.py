@@ -56,7 +56,7 @@ TORCH_OPS = KernelOps(
 def triton_available() -> tuple[bool, str]:
     """Whether the Triton backend can run here, and why not when it cannot."""
     try:
-        from . import triton_ops  # noqa: F401  (lazy: triton import is slow)
+        from . import triton_ops  # noqa: F401  (registers the torch.library ops)
     except ImportError as e:  # kernels not built into this install, or triton missing
         return False, f"Triton backend unavailable: {e}"
     return True, ""

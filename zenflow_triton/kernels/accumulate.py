@@ -1,11 +1,70 @@
 """Accumulate the gradient of host-owned columns: acc += scale * g2d[:, idx] in fp32.
 
 ``acc`` fp32 [rows, n] (compact, host-owned columns only), ``idx`` [n] sorted int64.
+
+Triton kernel -> launcher :func:`accumulate_columns` -> torch reference
+:func:`accumulate_columns_ref` (the contract).
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import _launch
+from .columns import _check_idx
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import wrap_triton
+except ImportError as e:  # no Triton: the reference below still works
+    from ._launch import NoTriton as triton
+    triton.error = e
+
+
+@triton.jit
+def _accumulate_columns_kernel(
+    acc_ptr, g_ptr, idx_ptr,
+    rows, n, stride_ar, stride_ac, stride_gr, stride_gc,
+    scale,  # runtime fp32 (a window's 1/update_interval changes with the config, not the code)
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # acc[r, j] += scale * g[r, idx[j]]. 1-D grid over [rows, n] tiles, n fastest.
+    pid = tl.program_id(0)
+    k_blocks = tl.cdiv(n, BLOCK_K)
+    offs_r = ((pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < n
+    mask = (offs_r < rows)[:, None] & mask_k[None, :]
+    cols = tl.load(idx_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    g = tl.load(g_ptr + offs_r[:, None] * stride_gr + (cols * stride_gc)[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    acc_ptrs = acc_ptr + offs_r[:, None] * stride_ar + (offs_k.to(tl.int64) * stride_ac)[None, :]
+    acc = tl.load(acc_ptrs, mask=mask, other=0.0)
+    tl.store(acc_ptrs, acc + scale * g, mask=mask)  # scale 1.0 is exact: same as acc + g
+
+
+def accumulate_columns(acc: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
+                       scale: float = 1.0) -> None:
+    """Triton launcher; same contract as :func:`accumulate_columns_ref`. Both may be strided."""
+    _launch.require_triton(triton)
+    n = idx.numel()
+    if n == 0:
+        return
+    if g2d.dim() != 2 or acc.dtype != torch.float32 or tuple(acc.shape) != (g2d.shape[0], n):
+        raise ValueError(f"acc must be fp32 [{g2d.shape[0] if g2d.dim() else '?'}, {n}] and "
+                         f"g2d 2-D, got acc {acc.dtype} {tuple(acc.shape)}, "
+                         f"g2d {tuple(g2d.shape)}")
+    _check_idx(idx, g2d.device)
+    rows = g2d.shape[0]
+    if rows == 0:
+        return
+    block_r, block_k, num_warps = _launch.tile_2d(rows, n)
+    grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(n, block_k),)
+    wrap_triton(_accumulate_columns_kernel)[grid](
+        acc, g2d, idx, rows, n, acc.stride(0), acc.stride(1), g2d.stride(0), g2d.stride(1),
+        float(scale), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+    )
 
 
 def accumulate_columns_ref(acc: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,

@@ -70,14 +70,9 @@ def column_scores(g2d: torch.Tensor, norm: str = "l2",
                             or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous fp32 [{cols}] tensor, got "
                          f"{out.dtype} {tuple(out.shape)}")
-    if out is None:
-        result = torch.zeros(cols, dtype=torch.float32, device=g2d.device)
-        if rows == 0 or cols == 0:
-            return result
-    else:
-        result = out
-        if rows == 0 or cols == 0:
-            return out
+    if rows == 0 or cols == 0:
+        return torch.zeros(cols, dtype=torch.float32, device=g2d.device) if out is None else out
+    result = torch.empty(cols, dtype=torch.float32, device=g2d.device) if out is None else out
 
     block_r, block_c, num_warps = _launch.tile_2d(rows, cols)
     col_blocks = _launch.cdiv(cols, block_c)
