@@ -1,0 +1,414 @@
+"""``zenflow-tune``: a thin CLI over :mod:`autotune` and :mod:`zenflow_triton.profiles`.
+
+Exit codes: 0 success; 1 usage error (bad options: message and help); 2 runtime failure
+(message on stderr); 130 interrupted (rerun the same command to continue the study).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+QUICK = dict(steps=60, skip_steps=10, n_trials=12, timeout=150.0)
+FULL = dict(steps=200, skip_steps=20, n_trials=40, timeout=None)
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on a usage error; we print the help and exit 1 (2 = runtime)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_help(sys.stderr)
+        sys.stderr.write(f"\n{self.prog}: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="zenflow-tune",
+                description="Tune ZenFlowOptimizer settings for this hardware with Optuna and "
+                            "save them as a profile for ZenFlowOptimizer.from_profile().")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run (or resume) a tuning study and save the best profile",
+                       description="Maximise throughput subject to a quality guard (held-out "
+                                   "loss within --tolerance of full AdamW's loss reduction).")
+    r.add_argument("--quick", action="store_true",
+                   help=f"small study: {QUICK['n_trials']} trials x {QUICK['steps']} steps, "
+                        f"no trial starts after {QUICK['timeout']:.0f}s (reference included), so "
+                        "it ends in under 3 minutes on 2 CPU cores")
+    r.add_argument("--study", help="study name (default: <hardware>-<workload>[-quick]); "
+                                   "an existing study is resumed")
+    r.add_argument("--storage", help="SQLAlchemy URL (default: SQLite file in the user data "
+                                     "dir, $ZENFLOW_DATA_DIR overrides)")
+    r.add_argument("--workload", default=None,
+                   help="'module:function' returning (model, batches, loss_fn[, heldout]) or a "
+                        "Workload; default: the embedded tiny decoder LM ('tinylm')")
+    r.add_argument("--n-trials", type=_pos_int,
+                   help="finished trials the study should hold (rerun continues up to it)")
+    r.add_argument("--timeout", type=float,
+                   help="start no trial after this many seconds from launch (reference included)")
+    r.add_argument("--steps", type=_pos_int, help="training steps per trial")
+    r.add_argument("--skip-steps", type=_nonneg_int,
+                   help="first steps excluded from the throughput (warm-up)")
+    r.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
+    r.add_argument("--seed", type=int, help="data/model seed (default 0)")
+    r.add_argument("--tolerance", type=float,
+                   help="allowed shortfall as a fraction of AdamW's held-out loss reduction "
+                        "(default 0.25)")
+    r.add_argument("--device", help="'cpu', 'cuda', 'cuda:1' (default: cuda if available)")
+    r.add_argument("--profile", help="name of the profile to save (default: the study name); "
+                                     "a user profile wins over a built-in of the same name")
+    r.add_argument("--no-profile", action="store_true", help="do not save a profile")
+    r.add_argument("--top", type=_pos_int, default=5, help="rows in the final table")
+    r.add_argument("--prune-ratio", type=float, default=0.5,
+                   help="prune a trial below this fraction of the best feasible throughput")
+    r.add_argument("--max-host-threads", type=_pos_int, help="upper bound of host_threads")
+    r.add_argument("--sampler-seed", type=int, default=0, help="TPE sampler seed")
+    r.add_argument("--heartbeat-interval", type=_pos_int, default=None, help=argparse.SUPPRESS)
+    r.add_argument("--grace-period", type=_pos_int, default=None, help=argparse.SUPPRESS)
+    r.add_argument("--verbose", action="store_true", help="Optuna's own log lines too")
+
+    ls = sub.add_parser("list", help="list profiles (user and built-in) and stored studies")
+    ls.add_argument("--storage", help="SQLAlchemy URL of the studies to list")
+
+    sh = sub.add_parser("show", help="show a profile (or a study's best trials) by name")
+    sh.add_argument("name")
+    sh.add_argument("--storage", help="SQLAlchemy URL (for a study name)")
+    sh.add_argument("--json", action="store_true", help="print the profile's JSON")
+
+    d = sub.add_parser("detect", help="show the hardware this machine exposes")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--measure", action="store_true", help="also time host AdamW (~1 s)")
+
+    pl = sub.add_parser("plot", help="PNG plots of a study: optimization history, parameter "
+                                     "importances, throughput vs quality (needs matplotlib)")
+    pl.add_argument("--study", help="study name (default: the only/most recent one)")
+    pl.add_argument("--storage", help="SQLAlchemy URL")
+    pl.add_argument("--out", help="output directory (default: <data dir>/plots/<study>)")
+    return p
+
+
+def _pos_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^a-z0-9._-]+", "-", s.lower()).strip("-.")[:60] or "study"
+
+
+# ---- commands -------------------------------------------------------------------------
+def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import time
+
+    import optuna
+    import torch
+
+    from zenflow_triton.config import ConfigError
+    from zenflow_triton.profiles import validate_name, ProfileError
+
+    from . import study as S
+    from .hardware import detect, hardware_slug
+    from .objective import TuneSettings
+    from .space import SearchSpace
+    from .workload import WorkloadError, load_workload_factory
+
+    if not args.verbose:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    mode = QUICK if args.quick else FULL
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(f"--device {device!r}: {e}")
+    given = {k: getattr(args, k) for k in ("steps", "skip_steps", "lr", "seed", "tolerance")
+             if getattr(args, k) is not None}
+    explicit = set(given) | ({"workload"} if args.workload else set()) | (
+        {"device"} if args.device else set())
+    if args.quick:
+        explicit |= {"steps", "skip_steps"}
+    try:
+        wl_name, factory = load_workload_factory(args.workload)
+    except WorkloadError as e:
+        raise UsageError(f"--workload: {e}")
+    steps = given.get("steps", mode["steps"])
+    skip = given.get("skip_steps", min(mode["skip_steps"], max(0, steps // 5)))
+    try:
+        ts = TuneSettings(workload=wl_name, steps=steps, skip_steps=skip,
+                          seed=given.get("seed", 0), lr=given.get("lr", 1e-3),
+                          tolerance=given.get("tolerance", 0.25), device=device)
+        space = SearchSpace(max_host_threads=args.max_host_threads)
+    except ValueError as e:
+        raise UsageError(str(e))
+    if not 0 < args.prune_ratio < 1:
+        raise UsageError(f"--prune-ratio must be in (0, 1), got {args.prune_ratio}")
+    hw = detect()
+    study_name = args.study or f"{hardware_slug(hw)}-{_slug(wl_name)}" + (
+        "-quick" if args.quick else "")
+    profile_name = None
+    if not args.no_profile:
+        profile_name = args.profile or _slug(study_name)
+        try:
+            validate_name(profile_name)
+        except ProfileError as e:
+            raise UsageError(f"--profile: {e}")
+    n_trials = args.n_trials or mode["n_trials"]
+    timeout = args.timeout if args.timeout is not None else mode["timeout"]
+    deadline = time.monotonic() + timeout if timeout else None
+    storage_url = args.storage or S.default_storage_url()
+    print(f"study {study_name!r} in {S.redact_url(storage_url)}")
+    print(f"workload {wl_name!r} on {device}; target {n_trials} finished trials"
+          + (f", at most {timeout:.0f}s" if timeout else ""))
+
+    bar = {"tqdm": None}
+    unit_box = {"unit": "items"}
+
+    def on_start(finished: int, remaining: int) -> None:
+        if finished:
+            print(f"resuming: {finished} finished trial(s) kept, {remaining} to go")
+        try:
+            from tqdm.auto import tqdm
+            bar["tqdm"] = tqdm(total=remaining, desc="trials", unit="trial", leave=False,
+                               file=sys.stderr, disable=None)
+        except ImportError:  # pragma: no cover - tqdm ships with optuna
+            bar["tqdm"] = None
+
+    def progress(st: optuna.Study, tr: optuna.trial.FrozenTrial) -> None:
+        unit = st.user_attrs.get("reference", {}).get("unit", "items")
+        best = S.feasible_trials(st.get_trials(deepcopy=False))
+        best_s = (f"best feasible: #{best[0].number} {best[0].value:,.0f} {unit}/s"
+                  if best else "best feasible: none yet")
+        line = f"{S.describe_trial(tr, unit)}  | {best_s}"
+        b = bar["tqdm"]
+        if b is not None and not b.disable:
+            b.write(line)
+            b.update(1)
+            b.set_postfix_str(best_s)
+        else:
+            print(line, flush=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    kwargs: dict[str, Any] = {}
+    if args.heartbeat_interval:
+        kwargs["heartbeat_interval"] = args.heartbeat_interval
+    if args.grace_period:
+        kwargs["grace_period"] = args.grace_period
+    try:
+        out = S.run_study(study_name=study_name, factory=factory, ts=ts, space=space,
+                          n_trials=n_trials, storage_url=storage_url, deadline=deadline,
+                          explicit=explicit, profile_name=profile_name,
+                          prune_ratio=args.prune_ratio, sampler_seed=args.sampler_seed,
+                          log=log, progress=progress, on_start=on_start, **kwargs)
+    except S.StudyMismatchError as e:
+        raise UsageError(str(e))
+    except ConfigError as e:
+        raise UsageError(str(e))
+    finally:
+        if bar["tqdm"] is not None:
+            bar["tqdm"].close()
+    ref = out.reference
+    print()
+    print(f"AdamW reference held-out loss {ref['heldout_loss']:.4f}; feasible if loss <= "
+          f"{out.best.user_attrs['loss_limit']:.4f}" if out.best else "")
+    print(S.format_table(out.study, top=args.top))
+    if out.best is None:
+        print("\nno feasible trial: every completed setting missed the quality guard. "
+              "Run more trials (--n-trials), more steps, or loosen --tolerance.",
+              file=sys.stderr)
+        return EXIT_RUNTIME
+    if out.profile_path is not None:
+        print(f"\nsaved profile {out.profile.name!r} (trial {out.best.number}) to "
+              f"{out.profile_path}")
+        print("use it:")
+        print(f'    opt = ZenFlowOptimizer.from_profile("{out.profile.name}", '
+              f"model.parameters(), lr={out.settings.lr:g})")
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from zenflow_triton.profiles import list_profiles, user_profile_dir
+
+    from . import study as S
+
+    profiles, bad = list_profiles(errors="collect")
+    print(f"profiles (user dir: {user_profile_dir()}):")
+    print(f"  {'name':<24} {'source':<8} {'provenance':<15} {'topk':>6} {'upd':>4}  device")
+    for p in profiles:
+        print(f"  {p.name:<24} {p.source:<8} {p.provenance.get('source', '?'):<15} "
+              f"{p.settings.get('topk_ratio', float('nan')):>6.3g} "
+              f"{p.settings.get('update_interval', '-'):>4}"
+              f"  {p.hardware.get('device', '')}")
+    for e in bad:
+        print(f"  BROKEN: {e}")
+    url = args.storage or S.default_storage_url()
+    if args.storage or Path(S.default_storage_url()[len("sqlite:///"):]).exists():
+        import optuna
+
+        summaries = optuna.study.get_all_study_summaries(S.make_storage(url))
+        print(f"\nstudies in {S.redact_url(url)}:")
+        if not summaries:
+            print("  (none)")
+        for s in summaries:
+            print(f"  {s.study_name:<32} {s.n_trials:>4} trials  "
+                  f"started {s.datetime_start:%Y-%m-%d %H:%M}" if s.datetime_start else
+                  f"  {s.study_name:<32} {s.n_trials:>4} trials")
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from zenflow_triton.profiles import ProfileNotFoundError, describe, load_profile
+
+    from . import study as S
+
+    try:
+        prof = load_profile(args.name)
+    except ProfileNotFoundError as e:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        url = args.storage or S.default_storage_url()
+        if args.storage or Path(url[len("sqlite:///"):]).exists():
+            try:
+                st = S.open_study(args.name, S.make_storage(url), create=False)
+            except KeyError:
+                raise UsageError(str(e)) from None
+            print(f"study {args.name!r} in {S.redact_url(url)}")
+            print(S.format_table(st, top=10))
+            return EXIT_OK
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(prof.to_dict(), indent=2))
+    else:
+        print(describe(prof))
+    return EXIT_OK
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    from .hardware import detect, measure_host_adam
+
+    info = detect()
+    if args.measure:
+        info["host"]["host_adam_elements_per_s"] = measure_host_adam()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    h = info["host"]
+    print(f"host: {h['cpu']}; {h['usable_cpus']} usable CPUs, torch threads "
+          f"{h['torch_threads']}, {h['memory_gb']} GB RAM")
+    if "host_adam_elements_per_s" in h:
+        print(f"host AdamW: {h['host_adam_elements_per_s'] / 1e6:,.0f} M elements/s (fp32)")
+    if not info["accelerators"]:
+        print("accelerators: none (CPU only)")
+    for a in info["accelerators"]:
+        link = a.get("pcie")
+        print(f"accelerator {a['index']}: {a['name']}, {a['memory_gb']} GB, capability "
+              f"{a['capability']}" + (f", PCIe {link['current_link_speed']} "
+                                      f"x{link['current_link_width']}" if link else ""))
+    print(f"versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    m = info["matching_profile"]
+    print(f"matching built-in profile: {m}" if m else "matching built-in profile: none")
+    return EXIT_OK
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from . import study as S
+    from .plots import MissingDependency, plot_study
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = args.storage or S.default_storage_url()
+    if not args.storage and not Path(url[len("sqlite:///"):]).exists():
+        raise RuntimeError(f"no studies yet ({S.redact_url(url)} does not exist); "
+                           "run `zenflow-tune run --quick` first")
+    storage = S.make_storage(url)
+    name = args.study
+    if name is None:
+        summaries = optuna.study.get_all_study_summaries(storage)
+        if not summaries:
+            raise RuntimeError(f"no studies in {S.redact_url(url)}")
+        summaries.sort(key=lambda s: s.datetime_start or __import__("datetime").datetime.min)
+        name = summaries[-1].study_name
+    try:
+        st = S.open_study(name, storage, create=False)
+    except KeyError:
+        raise RuntimeError(f"no study named {name!r} in {S.redact_url(url)}") from None
+    out = Path(args.out) if args.out else S.data_dir() / "plots" / _slug(name)
+    try:
+        paths = plot_study(st, out)
+    except MissingDependency as e:
+        raise RuntimeError(str(e)) from None
+    for p in paths:
+        print(p)
+    return EXIT_OK
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage error (1) or --help (0)
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        sys.stderr.write("\nzenflow-tune: error: a command is required\n")
+        return EXIT_USAGE
+    try:
+        if args.command == "run":
+            return cmd_run(args, parser)
+        if args.command == "list":
+            return cmd_list(args)
+        if args.command == "show":
+            return cmd_show(args)
+        if args.command == "detect":
+            return cmd_detect(args)
+        if args.command == "plot":
+            return cmd_plot(args)
+    except UsageError as e:
+        sub = _subparser(parser, args.command)
+        if sub is not None:
+            sub.print_help(sys.stderr)
+        sys.stderr.write(f"\nzenflow-tune {args.command}: error: {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted; rerun the same command to continue the study\n")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # runtime failure: a message, not a traceback
+        if os.environ.get("ZENFLOW_TUNE_TRACEBACK"):
+            raise
+        sys.stderr.write(f"zenflow-tune {args.command}: error: {type(e).__name__}: {e}\n")
+        return EXIT_RUNTIME
+    return EXIT_USAGE  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

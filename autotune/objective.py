@@ -1,0 +1,264 @@
+"""The measured objective: train a workload for N steps, time the steady state, and check the
+held-out loss against full AdamW's (the quality guard).
+
+* **Throughput** = items (tokens or samples) per second over steps ``skip_steps+1 .. steps``,
+  ending after ``opt.synchronize()`` so host work still in flight is paid for. The first
+  ``skip_steps`` steps (allocation, selection, thread start) are excluded.
+* **Quality guard**: ``ref`` is the held-out loss of ``torch.optim.AdamW`` with the same
+  hyperparameters, data and seed after the same number of steps, and ``init`` the held-out
+  loss before training (both computed once per study). The trial is feasible iff
+  ``heldout_loss <= ref + tolerance * (init - ref)``: it must achieve at least
+  ``1 - tolerance`` of AdamW's loss reduction. (Measured against the reduction rather than
+  the loss itself, a setting that updates almost nothing cannot pass on a workload whose loss
+  moves little.) The violation ``heldout_loss - limit`` is the Optuna constraint (<= 0 is
+  feasible). A run that diverges (non-finite loss) is infeasible.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import optuna
+import torch
+
+from .space import SearchSpace
+from .workload import Workload, build_workload, heldout_loss
+
+__all__ = ["TuneSettings", "TrainResult", "train_and_measure", "measure_reference",
+           "quality_limit", "Objective", "DIVERGED_VIOLATION"]
+
+DIVERGED_VIOLATION = 1e9
+"""Constraint value recorded for a run whose loss went non-finite."""
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """Everything that defines the objective of a study (stored with it; a resumed study must
+    use the same values, or its trials would not be comparable)."""
+
+    workload: str = "tinylm"
+    steps: int = 60
+    skip_steps: int = 10
+    seed: int = 0
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    tolerance: float = 0.25
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.steps < 2:
+            raise ValueError(f"steps must be >= 2, got {self.steps}")
+        if not 0 <= self.skip_steps < self.steps:
+            raise ValueError(f"skip_steps must be in [0, steps), got {self.skip_steps}")
+        if not self.tolerance >= 0:
+            raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TuneSettings":
+        d = dict(d)
+        d["betas"] = tuple(d.get("betas", (0.9, 0.999)))
+        return cls(**d)
+
+
+@dataclass
+class TrainResult:
+    throughput: float
+    """Items per second over the measured steps (nan if diverged before measuring)."""
+    heldout_loss: float
+    final_train_loss: float
+    diverged: bool
+    measured_steps: int
+    measured_seconds: float
+    unit: str
+    stats: dict[str, Any] = field(default_factory=dict)
+    initial_loss: float | None = None
+
+
+def quality_limit(reference_loss: float, tolerance: float,
+                  initial_loss: float | None = None) -> float:
+    """Largest feasible held-out loss: ``ref + tolerance * (init - ref)``; where AdamW did not
+    reduce the loss (or ``init`` is unknown), ``ref + tolerance * |ref|``."""
+    if initial_loss is not None and math.isfinite(initial_loss) and initial_loss > reference_loss:
+        return reference_loss + tolerance * (initial_loss - reference_loss)
+    return reference_loss + tolerance * abs(reference_loss)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_and_measure(factory: Callable[..., Any], make_optimizer: Callable[[Any], Any],
+                      ts: TuneSettings, *,
+                      report: Callable[[int, float], None] | None = None,
+                      report_every: int = 10, initial_loss: bool = False) -> TrainResult:
+    """Train ``ts.steps`` steps of a fresh workload with ``make_optimizer(params)``.
+
+    ``report(step, throughput_so_far)`` is called every ``report_every`` measured steps (it
+    may raise ``optuna.TrialPruned``)."""
+    device = torch.device(ts.device)
+    wl: Workload = build_workload(factory, seed=ts.seed, device=device, name=ts.workload)
+    init = heldout_loss(wl) if initial_loss else None
+    opt = make_optimizer(wl.model.parameters())
+    items = 0
+    t0 = time.perf_counter()
+    loss_val = math.nan
+    diverged = False
+    measured = 0
+    try:
+        it = iter(wl.batches)
+        for step in range(1, ts.steps + 1):
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise RuntimeError(f"workload {ts.workload!r} ran out of batches at step {step} "
+                                   f"(the study needs {ts.steps})") from None
+            loss = wl.loss_fn(wl.model, batch)
+            loss.backward()
+            try:
+                opt.step()
+            except FloatingPointError:  # NonFiniteGradientError: the run diverged
+                diverged = True
+                break
+            opt.zero_grad(set_to_none=True)
+            loss_val = float(loss.detach())
+            if not math.isfinite(loss_val):
+                diverged = True
+                break
+            if step == ts.skip_steps:
+                _sync(device)
+                t0 = time.perf_counter()
+            elif step > ts.skip_steps:
+                items += wl.count(batch)
+                measured += 1
+                if report is not None and measured % report_every == 0 and step < ts.steps:
+                    _sync(device)
+                    report(step, items / max(time.perf_counter() - t0, 1e-9))
+        if hasattr(opt, "synchronize") and not diverged:
+            opt.synchronize()
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        stats = dict(opt.stats()) if hasattr(opt, "stats") else {}
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
+    hl = math.nan if diverged else heldout_loss(wl)
+    if not math.isfinite(hl):
+        diverged = True
+    thr = items / seconds if measured and seconds > 0 else math.nan
+    return TrainResult(throughput=thr, heldout_loss=hl, final_train_loss=loss_val,
+                       diverged=diverged, measured_steps=measured, measured_seconds=seconds,
+                       unit=wl.unit, stats=_jsonable(stats), initial_loss=init)
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, (bool, int, str)) or v is None:
+            out[k] = v
+        elif isinstance(v, float):
+            out[k] = v if math.isfinite(v) else None
+    return out
+
+
+def measure_reference(factory: Callable[..., Any], ts: TuneSettings) -> dict[str, Any]:
+    """Full ``torch.optim.AdamW`` on the same workload, data and seed: the quality reference."""
+    def make(params):
+        return torch.optim.AdamW(params, lr=ts.lr, betas=ts.betas, eps=ts.eps,
+                                 weight_decay=ts.weight_decay)
+
+    res = train_and_measure(factory, make, ts, initial_loss=True)
+    if res.diverged:
+        raise RuntimeError("the AdamW reference run diverged (non-finite loss); lower --lr")
+    return {"optimizer": "torch.optim.AdamW", "heldout_loss": res.heldout_loss,
+            "initial_loss": res.initial_loss,
+            "throughput": res.throughput, "unit": res.unit,
+            "final_train_loss": res.final_train_loss, "steps": ts.steps}
+
+
+class Objective:
+    """``optuna`` objective: returns throughput (maximise); sets the ``quality`` constraint."""
+
+    def __init__(self, factory: Callable[..., Any], space: SearchSpace, ts: TuneSettings,
+                 reference: dict[str, Any], report_every: int = 10):
+        self.factory = factory
+        self.space = space
+        self.ts = ts
+        self.reference = reference
+        self.limit = quality_limit(float(reference["heldout_loss"]), ts.tolerance,
+                                   reference.get("initial_loss"))
+        self.report_every = report_every
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        from zenflow_triton import ZenFlowOptimizer
+
+        settings = self.space.suggest(trial)
+        trial.set_user_attr("settings", settings)
+        ts = self.ts
+
+        def make(params):
+            return ZenFlowOptimizer(params, lr=ts.lr, betas=ts.betas, eps=ts.eps,
+                                    weight_decay=ts.weight_decay, **settings)
+
+        def report(step: int, thr: float) -> None:
+            trial.report(thr, step)
+            if trial.should_prune():
+                trial.set_user_attr("pruned_at_throughput", thr)
+                raise optuna.TrialPruned(f"throughput {thr:.0f} at step {step} is clearly "
+                                         "below the best feasible trial")
+
+        try:
+            res = train_and_measure(self.factory, make, ts, report=report,
+                                    report_every=self.report_every)
+        except optuna.TrialPruned:
+            raise
+        except Exception as e:
+            trial.set_user_attr("error", f"{type(e).__name__}: {e}")
+            raise
+        violation = (DIVERGED_VIOLATION if res.diverged
+                     else res.heldout_loss - self.limit)
+        set_quality_constraint(trial, violation)
+        trial.set_user_attr("heldout_loss", None if res.diverged else res.heldout_loss)
+        trial.set_user_attr("reference_loss", self.reference["heldout_loss"])
+        trial.set_user_attr("loss_limit", self.limit)
+        trial.set_user_attr("feasible", violation <= 0)
+        trial.set_user_attr("diverged", res.diverged)
+        trial.set_user_attr("unit", res.unit)
+        trial.set_user_attr("stats", res.stats)
+        if res.diverged or not math.isfinite(res.throughput):
+            return 0.0
+        return res.throughput
+
+
+# ---- constraints: Trial.set_constraint (optuna >= 5) or a constraints_func (optuna 4) ----
+CONSTRAINT_ATTR = "quality_violation"
+
+
+def set_quality_constraint(trial: optuna.Trial, violation: float) -> None:
+    trial.set_user_attr(CONSTRAINT_ATTR, float(violation))
+    if hasattr(trial, "set_constraint"):
+        trial.set_constraint("quality", float(violation))
+
+
+def constraints_func(trial: optuna.trial.FrozenTrial) -> list[float]:
+    """For optuna < 5 (``TPESampler(constraints_func=...)``): read the recorded violation.
+    A pruned trial has none recorded and counts as feasible for the sampler (it is slow,
+    and pruned trials never become the best trial)."""
+    return [float(trial.user_attrs.get(CONSTRAINT_ATTR, 0.0))]
+
+
+def is_feasible(trial: optuna.trial.FrozenTrial) -> bool:
+    v = trial.user_attrs.get(CONSTRAINT_ATTR)
+    return v is not None and v <= 0

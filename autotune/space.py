@@ -1,0 +1,111 @@
+"""The search space: which ZenFlowConfig settings the tuner tries, and within what ranges.
+
+Every suggestion is built into a :class:`~zenflow_triton.ZenFlowConfig` before it is used, so
+it is valid by construction (``select_interval`` is sampled as a number of update windows and
+multiplied by ``update_interval``, so it is always a multiple of it).
+
+Parameters (Optuna names):
+
+* ``topk_ratio``        float, log scale, ``[topk_min, topk_max]``
+* ``update_interval``   int, log scale, ``[1, update_interval_max]``
+* ``select_windows``    int, log scale: ``select_interval = select_windows * update_interval``
+* ``chunk_log2``        int: ``chunk_size = 2 ** chunk_log2`` elements
+* ``host_threads``      int, ``[1, max_host_threads]``
+* ``host_lr_exponent``  float in [0, 1]: ``host_lr_scale = update_interval ** e``, from 1.0
+  (ZenFlow / DeepSpeed semantics, e = 0) to ``"auto"`` (= update_interval, e = 1)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from zenflow_triton import ZenFlowConfig
+
+__all__ = ["SearchSpace", "default_settings"]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    topk_min: float = 0.01
+    topk_max: float = 0.5
+    update_interval_max: int = 16
+    select_windows_min: int = 1
+    select_windows_max: int = 32
+    chunk_log2_min: int = 16
+    chunk_log2_max: int = 24
+    max_host_threads: int | None = None
+    """None = the CPUs this process may use."""
+    search_host_lr: bool = True
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.topk_min <= self.topk_max <= 1.0:
+            raise ValueError(f"need 0 < topk_min <= topk_max <= 1, got "
+                             f"[{self.topk_min}, {self.topk_max}]")
+        if self.update_interval_max < 1:
+            raise ValueError(f"update_interval_max must be >= 1, got {self.update_interval_max}")
+        if not 1 <= self.select_windows_min <= self.select_windows_max:
+            raise ValueError("need 1 <= select_windows_min <= select_windows_max")
+        if not 0 <= self.chunk_log2_min <= self.chunk_log2_max <= 40:
+            raise ValueError("need 0 <= chunk_log2_min <= chunk_log2_max <= 40")
+        if self.max_host_threads is not None and self.max_host_threads < 1:
+            raise ValueError("max_host_threads must be >= 1")
+
+    @property
+    def host_threads_max(self) -> int:
+        if self.max_host_threads is not None:
+            return self.max_host_threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)
+
+    def suggest(self, trial: Any) -> dict[str, Any]:
+        """Sample one setting; returns validated ZenFlowConfig field values."""
+        topk = trial.suggest_float("topk_ratio", self.topk_min, self.topk_max, log=True)
+        ui = trial.suggest_int("update_interval", 1, self.update_interval_max, log=True)
+        windows = trial.suggest_int("select_windows", self.select_windows_min,
+                                    self.select_windows_max, log=True)
+        chunk_log2 = trial.suggest_int("chunk_log2", self.chunk_log2_min, self.chunk_log2_max)
+        threads = trial.suggest_int("host_threads", 1, self.host_threads_max)
+        if self.search_host_lr:
+            e = trial.suggest_float("host_lr_exponent", 0.0, 1.0)
+            host_lr_scale: float | str = float(ui) ** e
+        else:
+            host_lr_scale = "auto"
+        return self.settings_from(topk_ratio=topk, update_interval=ui,
+                                  select_interval=windows * ui, chunk_size=2 ** chunk_log2,
+                                  host_threads=threads, host_lr_scale=host_lr_scale)
+
+    def settings_from(self, **fields: Any) -> dict[str, Any]:
+        fields.setdefault("overlap", self.overlap)
+        cfg = ZenFlowConfig(**fields)  # raises ConfigError if anything is out of range
+        return {k: getattr(cfg, k) for k in fields}
+
+    def defaults_params(self) -> dict[str, Any]:
+        """Optuna params of the library defaults (the first trial of a new study), clipped
+        into this space."""
+        d = ZenFlowConfig()
+        clip = lambda v, lo, hi: min(max(v, lo), hi)  # noqa: E731
+        ui = clip(d.update_interval, 1, self.update_interval_max)
+        p = {
+            "topk_ratio": clip(d.topk_ratio, self.topk_min, self.topk_max),
+            "update_interval": ui,
+            "select_windows": clip(d.effective_select_interval // d.update_interval,
+                                   self.select_windows_min, self.select_windows_max),
+            "chunk_log2": clip(d.chunk_size.bit_length() - 1, self.chunk_log2_min,
+                               self.chunk_log2_max),
+            "host_threads": self.host_threads_max,
+        }
+        if self.search_host_lr:
+            p["host_lr_exponent"] = 1.0  # "auto"
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_settings() -> dict[str, Any]:
+    return ZenFlowConfig().to_dict()

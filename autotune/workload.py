@@ -1,0 +1,258 @@
+"""Workloads the tuner trains: the embedded default (a tiny decoder LM on Python's own docs)
+and user workloads given as ``--workload module:function``.
+
+The user workload contract
+--------------------------
+``function`` is called once per trial (and once for the AdamW reference) **after**
+``torch.manual_seed(seed)``, with the keyword arguments it declares among ``seed`` (int) and
+``device`` (torch.device). It must build the same model and the same data for the same seed,
+and return either a :class:`Workload` or a tuple::
+
+    (model, batches, loss_fn)            # the first batch of `batches` is held out
+    (model, batches, loss_fn, heldout)   # heldout: one batch or a list of batches
+
+* ``model``: a ``torch.nn.Module`` already on the device;
+* ``batches``: an iterable of batches, long enough for the study's ``--steps`` (an
+  infinite generator is fine);
+* ``loss_fn(model, batch) -> scalar tensor``: the training loss of one batch (also used for
+  the held-out loss under ``torch.no_grad()``).
+
+Throughput is counted in samples (the first dimension of the first tensor in a batch)
+unless the :class:`Workload` says otherwise (``items_per_batch``, ``unit``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["Workload", "WorkloadError", "tiny_lm", "load_workload_factory", "build_workload",
+           "DEFAULT_WORKLOAD"]
+
+DEFAULT_WORKLOAD = "tinylm"
+
+
+class WorkloadError(RuntimeError):
+    """A ``--workload`` could not be imported or returned something outside the contract."""
+
+
+@dataclass
+class Workload:
+    """What one training run needs. See the module docstring for the contract."""
+
+    model: nn.Module
+    batches: Iterable[Any]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    heldout: Any = None
+    """One batch, or a list of batches; None = hold out the first batch of ``batches``."""
+    items_per_batch: int | Callable[[Any], int] | None = None
+    """Throughput items per batch (e.g. tokens); None = first dimension of the first tensor."""
+    unit: str = "samples"
+    name: str = "custom"
+
+    def count(self, batch: Any) -> int:
+        if callable(self.items_per_batch):
+            return int(self.items_per_batch(batch))
+        if self.items_per_batch is not None:
+            return int(self.items_per_batch)
+        t = _first_tensor(batch)
+        if t is None:
+            raise WorkloadError("cannot count samples: a batch holds no tensor; give the "
+                                "Workload an items_per_batch")
+        return int(t.shape[0]) if t.dim() > 0 else 1
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for b in batch:
+            t = _first_tensor(b)
+            if t is not None:
+                return t
+    return None
+
+
+# ---- the embedded default: a tiny decoder LM on pydoc_data.topics -----------------------
+def _corpus() -> torch.Tensor:
+    """Python's own documentation topics (ships with CPython), as bytes."""
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, n_heads: int, mlp_ratio: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, mlp_ratio * d)
+        self.fc2 = nn.Linear(mlp_ratio * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyDecoderLM(nn.Module):
+    """A byte-level GPT-style decoder (pre-LN, causal attention, GELU MLP)."""
+
+    def __init__(self, vocab: int = 256, d: int = 128, n_layers: int = 2, n_heads: int = 4,
+                 seq_len: int = 64, mlp_ratio: int = 4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq_len, d))
+        self.blocks = nn.ModuleList(_Block(d, n_heads, mlp_ratio) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def tiny_lm(seed: int = 0, device: torch.device | str = "cpu", *, d: int = 128,
+            n_layers: int = 2, n_heads: int = 4, seq_len: int = 64, batch_size: int = 16,
+            heldout_batches: int = 4) -> Workload:
+    """The embedded default workload: a ~0.45M-parameter byte-level decoder LM trained on the
+    text of ``pydoc_data.topics`` (no download). Last 10% of the text is held out."""
+    device = torch.device(device)
+    data = _corpus()
+    split = int(0.9 * data.numel())
+    train, held = data[:split], data[split:]
+    model = TinyDecoderLM(d=d, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len).to(device)
+
+    def windows(src: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = offsets[:, None] + torch.arange(seq_len + 1)[None, :]
+        w = src[idx]
+        return w[:, :-1].to(device), w[:, 1:].to(device)
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            yield windows(train, torch.randint(0, train.numel() - seq_len - 1, (batch_size,),
+                                               generator=g))
+
+    hg = torch.Generator().manual_seed(12345)  # the held-out set does not depend on the seed
+    heldout = [windows(held, torch.randint(0, held.numel() - seq_len - 1, (batch_size,),
+                                           generator=hg)) for _ in range(heldout_batches)]
+    return Workload(model=model, batches=batches(), loss_fn=_lm_loss, heldout=heldout,
+                    items_per_batch=batch_size * seq_len, unit="tokens", name=DEFAULT_WORKLOAD)
+
+
+# ---- loading ------------------------------------------------------------------------------
+def load_workload_factory(spec: str | None) -> tuple[str, Callable[..., Any]]:
+    """``None``/``"tinylm"`` -> the embedded default; ``"module:function"`` -> that function
+    (the current directory is importable, as for ``python -m``)."""
+    if spec in (None, "", DEFAULT_WORKLOAD):
+        return DEFAULT_WORKLOAD, tiny_lm
+    if ":" not in spec:
+        raise WorkloadError(f"--workload must be 'module:function' (or '{DEFAULT_WORKLOAD}'), "
+                            f"got {spec!r}")
+    mod_name, _, fn_name = spec.partition(":")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:
+        raise WorkloadError(f"cannot import workload module {mod_name!r}: {e}") from e
+    obj: Any = mod
+    for part in fn_name.split("."):
+        if not hasattr(obj, part):
+            raise WorkloadError(f"workload module {mod_name!r} has no attribute {fn_name!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise WorkloadError(f"workload {spec!r} is not callable")
+    return spec, obj
+
+
+def build_workload(factory: Callable[..., Any], *, seed: int, device: torch.device,
+                   name: str = "custom") -> Workload:
+    """Call ``factory`` under ``torch.manual_seed(seed)`` and normalise its result."""
+    torch.manual_seed(seed)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = {}
+    if "seed" in params or has_var_kw:
+        kwargs["seed"] = seed
+    if "device" in params or has_var_kw:
+        kwargs["device"] = device
+    out = factory(**kwargs)
+    if isinstance(out, Workload):
+        wl = out
+    elif isinstance(out, tuple) and len(out) in (3, 4):
+        wl = Workload(out[0], out[1], out[2], out[3] if len(out) == 4 else None, name=name)
+    else:
+        raise WorkloadError(
+            f"workload {name!r} returned {type(out).__name__}; expected a Workload or a tuple "
+            "(model, batches, loss_fn[, heldout])")
+    if not isinstance(wl.model, nn.Module):
+        raise WorkloadError(f"workload {name!r}: model must be a torch.nn.Module, "
+                            f"got {type(wl.model).__name__}")
+    if not callable(wl.loss_fn):
+        raise WorkloadError(f"workload {name!r}: loss_fn must be callable")
+    if wl.heldout is None:
+        it = iter(wl.batches)
+        try:
+            first = next(it)
+        except StopIteration:
+            raise WorkloadError(f"workload {name!r}: batches is empty") from None
+        wl.heldout = [first]
+        wl.batches = it
+    elif not isinstance(wl.heldout, list):
+        wl.heldout = [wl.heldout]
+    if wl.name == "custom":
+        wl.name = name
+    return wl
+
+
+def heldout_loss(wl: Workload) -> float:
+    """Mean loss over the held-out batches, in eval mode, without grad."""
+    was = wl.model.training
+    wl.model.eval()
+    try:
+        with torch.no_grad():
+            losses = [float(wl.loss_fn(wl.model, b)) for b in wl.heldout]
+    finally:
+        wl.model.train(was)
+    return sum(losses) / len(losses) if losses else math.nan
+
+
+def take(batches: Iterable[Any], n: int) -> Iterator[Any]:
+    return itertools.islice(iter(batches), n)

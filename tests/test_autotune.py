@@ -1,0 +1,337 @@
+"""The tuner: search space validity, the quality guard, pruning, an end-to-end study that
+saves a loadable profile, resume after SIGKILL, and the CLI's bad-input paths."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from autotune import cli
+from autotune import study as S
+from autotune.objective import (CONSTRAINT_ATTR, Objective, TuneSettings, is_feasible,
+                                measure_reference, quality_limit)
+from autotune.space import SearchSpace
+from autotune.workload import Workload, build_workload, tiny_lm
+from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer
+from zenflow_triton.profiles import PROFILE_DIR_ENV, load_profile
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+# d=64 so every weight matrix has >= 4096 elements (min_offload_numel): all are column-split.
+small_lm = functools.partial(tiny_lm, d=64, n_layers=1, n_heads=2, seq_len=32, batch_size=8,
+                             heldout_batches=2)
+
+
+def slow_workload(seed: int = 0, device: str = "cpu") -> Workload:
+    """Used by the SIGKILL test via --workload test_autotune:slow_workload: each step sleeps
+    a little so the kill reliably lands inside a trial."""
+    wl = small_lm(seed=seed, device=device)
+    inner = wl.loss_fn
+
+    def loss_fn(model, batch):
+        time.sleep(0.03)
+        return inner(model, batch)
+
+    wl.loss_fn = loss_fn
+    return wl
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path / "profiles"))
+    monkeypatch.setenv(S.DATA_DIR_ENV, str(tmp_path / "data"))
+    return tmp_path
+
+
+# ---- search space ------------------------------------------------------------------------
+@pytest.mark.parametrize("sampler", [optuna.samplers.RandomSampler(seed=1),
+                                     optuna.samplers.TPESampler(seed=2, n_startup_trials=5)])
+def test_space_stays_inside_valid_config_ranges(sampler):
+    space = SearchSpace(max_host_threads=3)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    seen_ui, seen_e = set(), []
+    for i in range(150):
+        trial = study.ask()
+        s = space.suggest(trial)
+        cfg = ZenFlowConfig(**s)  # valid by construction
+        assert space.topk_min <= cfg.topk_ratio <= space.topk_max
+        assert 1 <= cfg.update_interval <= space.update_interval_max
+        assert cfg.select_interval % cfg.update_interval == 0
+        assert 1 <= cfg.select_interval // cfg.update_interval <= space.select_windows_max
+        assert cfg.chunk_size & (cfg.chunk_size - 1) == 0
+        assert 2 ** space.chunk_log2_min <= cfg.chunk_size <= 2 ** space.chunk_log2_max
+        assert 1 <= cfg.host_threads <= 3
+        assert 1.0 - 1e-12 <= cfg.host_lr_scale <= cfg.update_interval + 1e-9
+        assert cfg.overlap is True
+        seen_ui.add(cfg.update_interval)
+        study.tell(trial, float(i % 7))
+    assert len(seen_ui) >= 4  # the space is actually explored
+
+
+def test_space_defaults_are_the_library_defaults():
+    space = SearchSpace(max_host_threads=2)
+    study = optuna.create_study()
+    study.enqueue_trial(space.defaults_params())
+    s = space.suggest(study.ask())
+    d = ZenFlowConfig()
+    assert s["topk_ratio"] == d.topk_ratio and s["update_interval"] == d.update_interval
+    assert s["select_interval"] == d.effective_select_interval
+    assert s["chunk_size"] == d.chunk_size and s["host_lr_scale"] == d.effective_host_lr_scale
+
+
+@pytest.mark.parametrize("kw", [dict(topk_min=0.0), dict(topk_max=1.5),
+                                dict(topk_min=0.5, topk_max=0.1), dict(update_interval_max=0),
+                                dict(select_windows_min=0), dict(max_host_threads=0)])
+def test_space_rejects_invalid_ranges(kw):
+    with pytest.raises(ValueError):
+        SearchSpace(**kw)
+
+
+# ---- quality guard and pruning ----------------------------------------------------------
+def test_quality_limit_is_a_fraction_of_adamw_improvement():
+    assert quality_limit(3.0, 0.25, initial_loss=5.0) == pytest.approx(3.5)
+    assert quality_limit(3.0, 0.0, initial_loss=5.0) == 3.0
+    # no improvement (or unknown initial loss): relative to the loss itself
+    assert quality_limit(3.0, 0.1, initial_loss=2.0) == pytest.approx(3.3)
+    assert quality_limit(3.0, 0.1) == pytest.approx(3.3)
+
+
+def test_quality_guard_marks_a_bad_setting_infeasible():
+    ts = TuneSettings(workload="small", steps=30, skip_steps=5, lr=3e-3, tolerance=0.25)
+    ref = measure_reference(small_lm, ts)
+    assert ref["initial_loss"] > ref["heldout_loss"]  # AdamW learned something
+    space = SearchSpace(update_interval_max=1024, max_host_threads=1)
+    study = optuna.create_study(direction="maximize")
+    # Deliberately bad: 1% of columns on the device, the rest never updated in 30 steps.
+    study.enqueue_trial({"topk_ratio": 0.01, "update_interval": 1024, "select_windows": 1,
+                         "chunk_log2": 16, "host_threads": 1, "host_lr_exponent": 0.0})
+    # The library defaults (ZenFlow paper settings) on the same data.
+    good = space.defaults_params()
+    study.enqueue_trial(good)
+    study.optimize(Objective(small_lm, space, ts, ref), n_trials=2)
+    bad_t, good_t = study.trials
+    assert bad_t.state == good_t.state == TrialState.COMPLETE
+    assert bad_t.params["update_interval"] == 1024
+    assert bad_t.user_attrs["heldout_loss"] > bad_t.user_attrs["loss_limit"]
+    assert bad_t.user_attrs[CONSTRAINT_ATTR] > 0 and not is_feasible(bad_t)
+    assert bad_t.user_attrs["feasible"] is False
+    assert good_t.user_attrs["heldout_loss"] <= good_t.user_attrs["loss_limit"]
+    assert is_feasible(good_t)
+    if hasattr(optuna.trial.Trial, "set_constraint"):  # Optuna's own constraint bookkeeping
+        assert bad_t.constraints["quality"] > 0 >= good_t.constraints["quality"]
+    # never "best", even if it is the fastest
+    assert [t.number for t in S.feasible_trials(study.trials)] == [good_t.number]
+    assert study.best_trial.number == good_t.number
+
+
+def _add(study, value, violation):
+    study.add_trial(optuna.trial.create_trial(
+        params={}, distributions={}, value=value, user_attrs={CONSTRAINT_ATTR: violation}))
+
+
+def test_slow_trial_pruner_compares_with_best_feasible_only():
+    study = optuna.create_study(direction="maximize", pruner=S.SlowTrialPruner(0.5))
+    _add(study, 100.0, -0.1)       # feasible
+    _add(study, 10_000.0, +1.0)    # infeasible: fast but must not set the bar
+    t = study.ask()
+    t.report(60.0, 10)
+    assert not t.should_prune()
+    t.report(40.0, 20)
+    assert t.should_prune()
+    empty = optuna.create_study(direction="maximize", pruner=S.SlowTrialPruner(0.5))
+    _add(empty, 10_000.0, +1.0)
+    t2 = empty.ask()
+    t2.report(1.0, 10)
+    assert not t2.should_prune()   # nothing feasible yet: nothing to compare against
+
+
+def test_user_workload_tuple_contract_holds_out_first_batch():
+    def factory(seed):
+        g = torch.Generator().manual_seed(seed)
+        model = torch.nn.Linear(4, 1)
+        batches = ((torch.randn(5, 4, generator=g), torch.randn(5, 1, generator=g))
+                   for _ in range(100))
+        return model, batches, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    a = build_workload(factory, seed=3, device=torch.device("cpu"))
+    b = build_workload(factory, seed=3, device=torch.device("cpu"))
+    assert len(a.heldout) == 1 and torch.equal(a.heldout[0][0], b.heldout[0][0])
+    assert not torch.equal(next(iter(a.batches))[0], a.heldout[0][0])
+    assert a.count(a.heldout[0]) == 5 and a.unit == "samples"
+
+
+# ---- end to end -------------------------------------------------------------------------
+def test_tiny_study_end_to_end_saves_a_profile_from_profile_loads(dirs):
+    url = f"sqlite:///{dirs / 'e2e.db'}"
+    ts = TuneSettings(workload="small", steps=8, skip_steps=2, lr=3e-3, tolerance=1.0)
+    space = SearchSpace(max_host_threads=1)
+    out = S.run_study(study_name="e2e", factory=small_lm, ts=ts, space=space, n_trials=3,
+                      storage_url=url, profile_name="e2e-prof", log=lambda m: None)
+    assert out.trials_run == 3
+    assert out.best is not None and out.profile_path is not None
+    assert out.profile_path == dirs / "profiles" / "e2e-prof.json"
+    prof = load_profile("e2e-prof")
+    assert prof.source == "user" and prof.provenance["source"] == "measured"
+    assert prof.provenance["study"] == "e2e" and prof.provenance["trial"] == out.best.number
+    assert prof.provenance["objective"]["throughput"] == pytest.approx(out.best.value)
+    assert prof.settings == out.best.user_attrs["settings"]
+    feas = S.feasible_trials(out.study.get_trials())
+    assert out.best.value == max(t.value for t in feas)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
+    opt = ZenFlowOptimizer.from_profile("e2e-prof", model.parameters(), lr=1e-4)
+    try:
+        for k, v in prof.settings.items():
+            assert getattr(opt.config, k) == v
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+    finally:
+        opt.close()
+    # same command again: nothing to do, nothing duplicated
+    again = S.run_study(study_name="e2e", factory=small_lm, ts=ts, space=space, n_trials=3,
+                        storage_url=url, profile_name="e2e-prof", log=lambda m: None)
+    assert again.trials_run == 0
+    assert len(again.study.get_trials(states=S.FINISHED)) == 3
+    assert again.study.user_attrs["reference"] == out.reference
+    table = S.format_table(again.study)
+    assert f"{out.best.value:,.0f}" in table and "feasible" in table
+    # a different objective on the same study is refused
+    with pytest.raises(S.StudyMismatchError, match="steps"):
+        S.run_study(study_name="e2e", factory=small_lm,
+                    ts=TuneSettings(workload="small", steps=9, skip_steps=2, lr=3e-3,
+                                    tolerance=1.0), space=space, n_trials=4, storage_url=url,
+                    log=lambda m: None)
+    # plots (optional dependency)
+    pytest.importorskip("matplotlib")
+    from autotune.plots import plot_study
+
+    paths = plot_study(again.study, dirs / "plots")
+    names = {p.name for p in paths}
+    assert {"history.png", "quality.png"} <= names
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
+    from autotune import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(plots.MissingDependency, match="pip install matplotlib"):
+        plots._matplotlib()
+
+
+def _cli(args, env, timeout=400):
+    return subprocess.run([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_resume_after_sigkill_keeps_finished_trials_and_fails_the_killed_one(dirs):
+    db = dirs / "kill.db"
+    url = f"sqlite:///{db}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]),
+               **{PROFILE_DIR_ENV: str(dirs / "profiles"), S.DATA_DIR_ENV: str(dirs / "data")})
+    args = ["run", "--workload", "test_autotune:slow_workload", "--study", "kill",
+            "--storage", url, "--steps", "12", "--skip-steps", "2", "--lr", "3e-3",
+            "--n-trials", "5", "--tolerance", "1.0", "--max-host-threads", "1",
+            "--prune-ratio", "0.01", "--profile", "kill-prof",
+            "--heartbeat-interval", "1", "--grace-period", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    storage = S.make_storage(url, heartbeat_interval=1, grace_period=2)
+    deadline = time.monotonic() + 300  # generous: CI machines are shared and slow
+    killed_number = None
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.25)  # polling SQLite competes with the tuner for 2 cores
+            try:
+                st = optuna.load_study(study_name="kill", storage=storage)
+                trials = st.get_trials(deepcopy=False)
+            except (KeyError, Exception):
+                continue
+            done = [t for t in trials if t.state == TrialState.COMPLETE]
+            running = [t for t in trials if t.state == TrialState.RUNNING]
+            if len(done) >= 2 and running:
+                proc.send_signal(signal.SIGKILL)
+                killed_number = running[0].number
+                break
+    finally:
+        if proc.poll() is None and killed_number is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+    assert killed_number is not None, "the tuner finished before it could be killed mid-trial"
+    assert proc.returncode == -signal.SIGKILL
+    before = {t.number: (t.state, t.value, t.params)
+              for t in optuna.load_study(study_name="kill", storage=storage).get_trials()}
+    running = [n for n, v in before.items() if v[0] == TrialState.RUNNING]
+    assert len(running) == 1  # the trial the kill interrupted
+    killed_number = running[0]
+    finished_before = {n: v for n, v in before.items() if v[0] in S.FINISHED}
+    assert len(finished_before) >= 2
+
+    time.sleep(2.5)  # let the killed trial's heartbeat go stale (grace period 2 s)
+    res = _cli(args, env)
+    assert res.returncode == 0, res.stderr
+    assert f"resuming: {len(finished_before)} finished trial(s) kept" in res.stdout
+    after = {t.number: t for t in optuna.load_study(study_name="kill", storage=storage).get_trials()}
+    for n, (state, value, params) in finished_before.items():   # kept, unchanged
+        assert after[n].state == state and after[n].value == value and after[n].params == params
+    assert after[killed_number].state == TrialState.FAIL         # recorded as failed
+    assert not [t for t in after.values() if t.state == TrialState.RUNNING]
+    finished = [t for t in after.values() if t.state in S.FINISHED]
+    assert len(finished) == 5                                    # nothing lost or duplicated
+    assert 'ZenFlowOptimizer.from_profile("kill-prof", model.parameters(), lr=0.003)' in res.stdout
+    assert load_profile("kill-prof").provenance["study"] == "kill"
+
+
+# ---- CLI bad inputs ---------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["run", "--steps", "0"],
+                                  ["run", "--n-trials", "x"], ["show"],
+                                  ["run", "--workload", "no_colon_here"],
+                                  ["run", "--workload", "no_such_module_xyz:f"],
+                                  ["run", "--steps", "5", "--skip-steps", "5"],
+                                  ["run", "--profile", "Bad/Name"]])
+def test_cli_usage_errors_exit_1_with_help(argv, dirs, capsys):
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "usage:" in err and "error:" in err
+
+
+def test_cli_unknown_profile_names_closest_match(dirs, capsys):
+    assert cli.main(["show", "a100-pcie"]) == 1
+    err = capsys.readouterr().err
+    assert "Did you mean 'a100-pcie4'?" in err and "h200-sxm" in err
+
+
+def test_cli_runtime_failure_exits_2(dirs, capsys):
+    assert cli.main(["plot", "--study", "nope", "--storage",
+                     f"sqlite:///{dirs / 'empty.db'}"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "nope" in err and "Traceback" not in err
+
+
+def test_cli_list_show_detect(dirs, capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("a100-pcie4", "h200-sxm", "rtx4090-pcie4", "cpu"):
+        assert name in out
+    assert cli.main(["show", "h100-sxm5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["name"] == "h100-sxm5" and doc["hardware"]["memory_bandwidth_gb_s"] == 3350
+    assert cli.main(["detect", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["host"]["usable_cpus"] >= 1
+    expected = "cpu" if not torch.cuda.is_available() else info["matching_profile"]
+    assert info["matching_profile"] == expected
