@@ -240,6 +240,14 @@ def run_study(*, study_name: str, factory: Callable[..., Any], ts: TuneSettings,
     if remaining > 0:
         study.optimize(objective, n_trials=remaining, timeout=timeout, callbacks=callbacks,
                        catch=(Exception,), gc_after_trial=True)
+        # On a shared machine noise only ever slows a run down: measure AdamW's throughput
+        # again after the trials and keep the best of its measurements, so the "vs AdamW"
+        # ratio does not rest on one unlucky run.
+        again = measure_reference(factory, ts)
+        reference = dict(reference,
+                         throughput=max(reference["throughput"], again["throughput"]),
+                         throughput_measurements=reference.get("throughput_measurements", 1) + 1)
+        study.set_user_attr("reference", reference)
     fail_stale(study)
     if failures["n"] >= max_consecutive_failures:
         errs = [t.user_attrs.get("error") for t in study.get_trials(deepcopy=False)
