@@ -128,7 +128,7 @@ def test_host_exception_surfaces_with_traceback(monkeypatch):
     def boom(*a, **k):
         raise ArithmeticError("injected host failure")
 
-    monkeypatch.setattr(host_adamw, "adamw_", boom)
+    monkeypatch.setattr(host_adamw.HostAdamW, "_run_batch", boom)
     _steps(model, opt, 2)  # launches the failing job; overlap: not waited for yet
     t0 = time.monotonic()
     with pytest.raises(HostWorkerError, match="injected host failure") as info:
@@ -143,7 +143,7 @@ def test_stuck_host_work_times_out(monkeypatch):
     model = make_model()
     opt = ZenFlowOptimizer(model.parameters(), topk_ratio=0.2, update_interval=1,
                            overlap=False, min_offload_numel=64, host_timeout=0.5)
-    monkeypatch.setattr(host_adamw, "adamw_", lambda *a, **k: time.sleep(3))
+    monkeypatch.setattr(host_adamw.HostAdamW, "_run_batch", lambda *a, **k: time.sleep(3))
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="host_timeout=0.5"):
         _steps(model, opt, 1)

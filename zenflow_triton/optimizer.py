@@ -35,7 +35,7 @@ from .host import HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError
 from .kernels import KernelOps, get_ops, triton_available
 from .partition import (MATRIX, SMALL, classify, init_matrix_state, migrate, new_accumulator,
                         num_selected, select_columns, view2d)
-from .transfer import Link, host_zeros, to_host_memory
+from .transfer import Link, host_empty, to_host_memory
 
 _SD_KEY = "zenflow"
 _SD_VERSION = 1
@@ -90,6 +90,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout)
         self._worker = HostWorker(self.config.host_timeout)
         self._inflight: HostJob | None = None
+        # Gradients of single-step windows, handed to the host in the same step (never
+        # kept across steps, so never part of the saved state).
+        self._direct: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per-param host buffers for the window gradient, reused across windows (transient:
+        # free whenever no host job is in flight, so never saved).
+        self._staging: dict[torch.Tensor, torch.Tensor] = {}
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -141,6 +147,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._direct.clear()
         work = self._collect_grads()  # validates every gradient before any state changes
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
@@ -161,10 +168,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             if fresh:
                 self._select(fresh)
 
-        self._device_update(work)
-        self._accumulate(work)
-
         boundary = warmup or u % cfg.update_interval == 0
+        self._device_update(work)
+        self._accumulate(work, single_step_window=boundary and (warmup or cfg.update_interval == 1))
+
         if boundary:
             if cfg.overlap and not warmup:
                 self._drain()          # apply the window that ended update_interval ago
@@ -192,10 +199,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                      f"{tuple(g.shape)} does not match the param")
                 work.append((group, p, g))
         if self.config.check_finite and work:
-            finite = torch.stack([torch.isfinite(g).all() for _, _, g in work])
-            if not bool(finite.all()):
-                bad = [self._param_name(p) for (_, p, _), ok in zip(work, finite.tolist())
-                       if not ok]
+            # One cheap pass over each gradient: min and max propagate NaN and show +-inf
+            # (a sum could overflow on finite values; isfinite().all() is several passes).
+            ext = torch.stack([torch.stack(torch.aminmax(g)).float().cpu() for _, _, g in work])
+            if not bool(torch.isfinite(ext).all()):
+                bad = [self._param_name(p) for (_, p, _), row in zip(work, ext)
+                       if not bool(torch.isfinite(row).all())]
                 raise NonFiniteGradientError(
                     f"non-finite gradient (NaN or inf) in {', '.join(bad)}; no optimizer state "
                     "was changed by this step (skip it, e.g. with torch.amp.GradScaler, or "
@@ -261,19 +270,37 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                            [st["step"] for _, _, st in items], lr=group["lr"], beta1=beta1,
                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 
-    def _accumulate(self, work) -> None:
+    def _accumulate(self, work, single_step_window: bool) -> None:
         for group, p, g in work:
             st = self.state[p]
             if st["kind"] != MATRIX or st["host_idx"].numel() == 0:
                 continue
             g2d = view2d(g)
             host_idx = st["host_idx"].to(g.device)
-            if self.config.accumulate_on == "device":
+            if single_step_window and st["acc_count"] == 0:
+                # The window is this step alone: its gradient goes to the host as it is, at
+                # launch, with no pass through the accumulator (ZeRO-Offload mode, warm-up).
+                self._direct[p] = (g2d, host_idx)
+            elif self.config.accumulate_on == "device":
                 self.ops.accumulate_columns(st["acc"], g2d, host_idx, 1.0)
             else:  # the columns cross the link every step, in the grad's dtype
-                cols = self.link.to_host(self.ops.gather_columns(g2d, host_idx))
+                cols = self.link.to_host(self._host_columns(g2d, host_idx))
                 st["acc"].add_(cols)
             st["acc_count"] += 1
+
+    def _staging_for(self, p: torch.Tensor, shape) -> torch.Tensor:
+        """The reusable fp32 host buffer of ``p``'s window gradient (pinned where CUDA
+        exists); reallocated only when a reselection changed the host-owned column count."""
+        buf = self._staging.get(p)
+        if buf is None or buf.shape != torch.Size(shape):
+            buf = self._staging[p] = host_empty(shape)
+        return buf
+
+    def _host_columns(self, g2d: torch.Tensor, host_idx: torch.Tensor) -> torch.Tensor:
+        """g2d[:, host_idx], without a gather when every column is host-owned."""
+        if host_idx.numel() == g2d.shape[1]:
+            return g2d
+        return self.ops.gather_columns(g2d, host_idx)
 
     # ------------------------------------------------------------------ host half
     def _launch_host(self) -> None:
@@ -288,29 +315,31 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 if not st or st["kind"] != MATRIX or st["acc_count"] == 0:
                     continue
                 acc, count = st["acc"], st["acc_count"]
-                if self.config.accumulate_on == "device":
-                    grad = self.link.to_host(acc)  # fp32 window sum, one transfer a window
+                # The host buffer handed to the job: a per-param staging buffer, reused every
+                # window (the previous job has been waited for: launch follows _drain).
+                if p in self._direct:  # in the grad's dtype over the link, fp32 on the host
+                    src = self._host_columns(*self._direct.pop(p))
+                    grad = self.link.to_host_into(self._staging_for(p, src.shape), src)
+                elif self.config.accumulate_on == "device":  # fp32 window sum, once a window
+                    grad = self.link.to_host_into(self._staging_for(p, acc.shape), acc)
                     acc.zero_()
-                else:
+                else:  # host accumulator: the job takes it, the spare becomes the accumulator
                     grad = acc
-                    st["acc"] = new_accumulator(acc.shape[0], acc.shape[1], p.device, "host")
+                    st["acc"] = self._staging_for(p, acc.shape).zero_()
+                    self._staging[p] = acc
                 st["acc_count"] = 0
                 st["host_step"] += 1
                 st["host_pending"] = True
                 hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
                                   eps=group["eps"], weight_decay=group["weight_decay"],
-                                  step=st["host_step"])
-                tasks.append((st["host_master"], grad, count, st["host_m"], st["host_v"],
-                              hyper))
+                                  step=st["host_step"], grad_divisor=float(count))
+                tasks.append((st["host_master"], grad, st["host_m"], st["host_v"], hyper))
         if not tasks:
             return
         adamw = self._host_adamw
 
-        def run() -> None:
-            for master, grad, count, m, v, hyper in tasks:
-                if count != 1:
-                    grad.div_(count)  # window mean
-                adamw.update(master, grad, m, v, hyper)
+        def run() -> None:  # every param of the window in one pool dispatch
+            adamw.update_many(tasks)
 
         self._counters["host_updates"] += 1
         self._inflight = self._worker.submit(run, f"host AdamW of step {self._global_step}")

@@ -56,14 +56,24 @@ class Link:
         out.copy_(src, non_blocking=False)
         return out if dtype is None or dtype == src.dtype else out.to(dtype)
 
+    def to_host_into(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Copy a device tensor into the host buffer ``dst`` (cast to ``dst``'s dtype on the
+        host side: the link carries ``src``'s dtype); returns ``dst``."""
+        self._count(d2h=src.numel() * src.element_size())
+        dst.copy_(src)
+        return dst
+
     def to_device(self, src: torch.Tensor, device: torch.device,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Copy a host tensor to ``device``; cast on the host first when ``dtype`` is given
-        (the link carries the narrower type)."""
+        """``src`` on ``device``; cast on the host first when ``dtype`` is given (the link
+        carries the narrower type). The result may be ``src`` itself where host and device
+        are one memory: callers only read it or own it."""
         if dtype is not None and dtype != src.dtype:
             src = src.to(dtype)
         self._count(h2d=src.numel() * src.element_size())
-        return src.to(device, copy=True)
+        if src.device == torch.device(device):
+            return src  # CPU-only run: the "device" already holds it; counted all the same
+        return src.to(device, non_blocking=False)
 
     def count_d2h(self, nbytes: int) -> None:
         self._count(d2h=nbytes)

@@ -1,23 +1,67 @@
-"""Host AdamW over flat fp32 buffers, in chunks of ``chunk_size`` elements.
+"""Host AdamW over flat fp32 buffers, in chunks, on a persistent pool of threads.
 
-Chunks are independent (AdamW is elementwise), so the result does not depend on the chunk
-size or on how many threads run them; torch ops release the GIL, so a pool of threads runs
-chunks in parallel.
+What runs: ``torch._fused_adamw_`` (torch's vectorised CPU AdamW: one pass that reads
+param, grad, m, v and writes param, m, v, 28 bytes per element) on pieces of at most
+``chunk_size`` elements, spread over ``threads`` worker threads. torch releases the GIL
+inside the kernel, so the workers run in parallel. Each worker limits its own OpenMP team to
+one thread (``omp_set_num_threads`` is per thread), so ``threads`` workers use ``threads``
+cores and never oversubscribe them; the process-wide ``torch.get_num_threads()`` is left
+alone. Where torch has no fused CPU AdamW, the same pieces run ``adamw_math.adamw_``.
+
+Numbers: the fused kernel matches ``torch.optim.AdamW`` (single tensor, ``adamw_math``) to
+fp32 rounding (same formula, constants rounded alike; the moments come out bit-identical and
+the param within an ulp). It processes a tensor in vectors of 8 (AVX2) or 16 (AVX-512)
+elements and its last ``n % 8`` elements in a scalar loop that rounds differently. So that
+the result never depends on ``threads`` or ``chunk_size``, every piece starts at a multiple
+of ``ALIGN`` = 64 elements of its tensor (256 bytes, a multiple of every vector width): an
+element is then in the vector body or the scalar tail the same way whatever the split, and
+the runs are bit-identical.
+
+Ordering: the pieces of one ``update_many`` call touch disjoint slices, so they may run in
+any order on any worker; ``update_many`` returns only when all of them finished (or raises).
+Every wait is bounded by ``timeout``.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import ctypes
+import functools
+import math
+import os
+import queue
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
+from .. import adamw_math
 from ..adamw_math import adamw_
+
+ALIGN = 64
+"""Pieces start at multiples of this many elements (see the module docstring)."""
+
+MIN_PIECE = 1 << 16
+"""A batch is split finer than ``chunk_size`` so every worker gets work (about
+``PIECES_PER_THREAD`` pieces each, for balance under load), but never below this many
+elements: a kernel call costs some microseconds of dispatch."""
+
+PIECES_PER_THREAD = 4
+
+_POLL_S = 0.1
+TIMEOUT_GRACE_S = 0.25
 
 
 @dataclass(frozen=True)
 class HostHyper:
-    """Hyperparameters of one host update, captured at the launching step."""
+    """Hyperparameters of one host update, captured at the launching step.
+
+    ``grad_divisor``: the gradient is divided by it (in place, in the same pass as the
+    update) first; the optimizer passes the window's step count so the update uses the
+    window mean. Bit-identical to ``grad.div_(grad_divisor)`` before the update.
+    """
 
     lr: float
     beta1: float
@@ -25,38 +69,323 @@ class HostHyper:
     eps: float
     weight_decay: float
     step: int
+    grad_divisor: float = 1.0
 
+
+Task = tuple  # (master, grad, m, v, HostHyper)
+
+
+class HostAdamWError(RuntimeError):
+    """A piece of a host AdamW update failed; the message names the task and the slice."""
+
+
+# ---------------------------------------------------------------------------- OpenMP
+
+_OMP_LOCK = threading.Lock()
+_OMP: tuple | None = None
+_OMP_SEARCHED = False
+
+
+def _openmp() -> tuple | None:
+    """``(omp_set_num_threads, omp_get_max_threads)`` of the OpenMP runtime torch loaded, or
+    None (not Linux, or not found). Both act on the calling thread only: the team size is an
+    OpenMP per-thread setting."""
+    global _OMP, _OMP_SEARCHED
+    with _OMP_LOCK:
+        if _OMP_SEARCHED:
+            return _OMP
+        _OMP_SEARCHED = True
+        try:
+            with open("/proc/self/maps") as f:
+                paths = {line.split(None, 5)[5].strip() for line in f
+                         if len(line.split(None, 5)) == 6}
+        except OSError:
+            return None
+        names = ("libgomp", "libiomp5", "libomp")
+        found = sorted(p for p in paths if os.path.basename(p).startswith(names))
+        torch_dir = os.path.dirname(torch.__file__)
+        found.sort(key=lambda p: not p.startswith(torch_dir))  # torch's own runtime first
+        for path in found:
+            try:
+                lib = ctypes.CDLL(path)
+                set_fn, get_fn = lib.omp_set_num_threads, lib.omp_get_max_threads
+            except (OSError, AttributeError):
+                continue
+            set_fn.argtypes, set_fn.restype = [ctypes.c_int], None
+            get_fn.argtypes, get_fn.restype = [], ctypes.c_int
+            _OMP = (set_fn, get_fn)
+            break
+        return _OMP
+
+
+def _worker_init() -> bool:
+    """Run in each pool worker: one OpenMP thread for this thread's torch ops. Returns
+    whether that took effect.
+
+    Order matters: torch sets a new thread's OpenMP team size lazily, on the thread's first
+    parallel op or ``get_num_threads()`` call (to the process-wide setting), which would undo
+    an earlier ``omp_set_num_threads(1)``; so trigger that first, then set 1."""
+    try:
+        torch.get_num_threads()
+        omp = _openmp()
+        if omp is None:
+            return False
+        omp[0](1)
+        return omp[1]() == 1
+    except Exception:  # never fatal: the worker still computes the right numbers
+        return False
+
+
+# ---------------------------------------------------------------------------- the pool
+
+class _Pool:
+    """``n`` daemon threads running submitted calls; futures carry results and errors."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._queue: "queue.SimpleQueue[tuple | None]" = queue.SimpleQueue()
+        self.single_threaded = [False] * n
+        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}",
+                                          daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        self.single_threaded[i] = _worker_init()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter
+                fut.set_exception(e)
+
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def close(self, timeout: float) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+
+
+# ---------------------------------------------------------------------------- kernels
+
+@functools.lru_cache(maxsize=None)
+def _fused_available() -> bool:
+    """True when torch's fused CPU AdamW exists and agrees with ``adamw_`` on a probe."""
+    if not hasattr(torch, "_fused_adamw_"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        ref = [torch.randn(67, generator=g) for _ in range(3)] + [torch.rand(67, generator=g)]
+        got = [t.clone() for t in ref]
+        h = HostHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=2)
+        _fused_call([[t] for t in got], [h.step], h)
+        adamw_math.adamw_(*ref, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+               weight_decay=h.weight_decay, step=h.step)
+        return all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(got, ref))
+    except Exception:
+        return False
+
+
+def _fused_call(lists, steps: Sequence[int], h: HostHyper) -> None:
+    params, grads, ms, vs = lists
+    cache: dict[int, torch.Tensor] = {}
+    state_steps = [cache.setdefault(s, torch.tensor(float(s))) for s in steps]
+    scale = None if h.grad_divisor == 1.0 else torch.tensor(float(h.grad_divisor))
+    torch._fused_adamw_(params, grads, ms, vs, [], state_steps, lr=float(h.lr),
+                        beta1=float(h.beta1), beta2=float(h.beta2),
+                        weight_decay=float(h.weight_decay), eps=float(h.eps), amsgrad=False,
+                        maximize=False, grad_scale=scale, found_inf=None)
+
+
+def _reference_call(lists, steps: Sequence[int], h: HostHyper) -> None:
+    for p, g, m, v, s in zip(*lists, steps):
+        if h.grad_divisor != 1.0:
+            g.div_(h.grad_divisor)
+        adamw_(p, g, m, v, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+               weight_decay=h.weight_decay, step=s)
+
+
+# ---------------------------------------------------------------------------- HostAdamW
 
 class HostAdamW:
-    """Runs AdamW on (master, grad, m, v) flat fp32 buffers with a pool of ``threads``."""
+    """AdamW on (master, grad, m, v) fp32 CPU buffers with a pool of ``threads`` workers.
 
-    def __init__(self, threads: int, chunk_size: int, timeout: float) -> None:
+    Args:
+        threads: worker threads (each runs torch with one OpenMP thread).
+        chunk_size: most elements of one tensor one kernel call handles; rounded down to a
+            multiple of ``ALIGN`` (at least ``ALIGN``). Results do not depend on it.
+        timeout: seconds any ``update``/``update_many`` may wait for its pieces.
+        kernel: ``"auto"`` (torch's fused CPU AdamW where available), ``"fused"`` or
+            ``"reference"`` (``adamw_math.adamw_`` per piece).
+    """
+
+    def __init__(self, threads: int, chunk_size: int, timeout: float,
+                 kernel: str = "auto") -> None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        if kernel not in ("auto", "fused", "reference"):
+            raise ValueError(f'kernel must be "auto", "fused" or "reference", got {kernel!r}')
         self.threads = threads
         self.chunk_size = chunk_size
-        self.timeout = timeout
-        self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="zenflow-host-adamw")
-                      if threads > 1 else None)
+        self.piece_max = max(ALIGN, chunk_size // ALIGN * ALIGN)
+        self.timeout = float(timeout)
+        if kernel == "auto":
+            kernel = "fused" if _fused_available() else "reference"
+        elif kernel == "fused" and not _fused_available():
+            raise RuntimeError("torch._fused_adamw_ is not usable on CPU in this torch "
+                               f"{torch.__version__}; use kernel='reference'")
+        self.kernel = kernel
+        self._pool: _Pool | None = _Pool(threads, "zenflow-host-adamw")
 
+    @property
+    def workers_single_threaded(self) -> bool:
+        """Whether every worker limited its OpenMP team to one thread (measured to help)."""
+        pool = self._pool
+        return pool is not None and all(pool.single_threaded)
+
+    # ------------------------------------------------------------------ public
     def update(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
                v: torch.Tensor, hyper: HostHyper) -> None:
-        flats = [t.view(-1) for t in (master, grad, m, v)]
-        n = flats[0].numel()
-        bounds = [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
-        if self._pool is None or len(bounds) == 1:
-            for s, e in bounds:
-                self._chunk(flats, s, e, hyper)
-            return
-        futures = [self._pool.submit(self._chunk, flats, s, e, hyper) for s, e in bounds]
-        for f in futures:  # bounded: a stuck chunk raises TimeoutError, never hangs
-            f.result(timeout=self.timeout)
+        """One AdamW step on one set of buffers, in place (``grad`` may be overwritten)."""
+        self.update_many([(master, grad, m, v, hyper)])
 
-    @staticmethod
-    def _chunk(flats, s: int, e: int, h: HostHyper) -> None:
-        master, grad, m, v = (t[s:e] for t in flats)
-        adamw_(master, grad, m, v, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-               weight_decay=h.weight_decay, step=h.step)
+    def update_many(self, tasks: Sequence[Task]) -> None:
+        """AdamW steps on many sets of buffers at once, in place: ``tasks`` is a sequence of
+        ``(master, grad, m, v, hyper)``; each four tensors are fp32, on the CPU, contiguous,
+        of one number of elements (``grad`` may be overwritten). The pieces of all tasks go to
+        the pool together. Returns when every piece is done. A piece that raises: the others
+        are cancelled or finish, then its exception is re-raised (same type, a note naming the
+        task and slice). TimeoutError after ``timeout`` (+ TIMEOUT_GRACE_S) seconds."""
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("this HostAdamW is closed")
+        flats = [self._check(i, t) for i, t in enumerate(tasks)]
+        batches = self._plan(flats, [t[4] for t in tasks])
+        if not batches:
+            return
+        if not pool.alive():
+            raise HostAdamWError("a host AdamW worker thread is dead")
+        steps = [t[4].step for t in tasks]
+        futures = [pool.submit(self._run_batch, flats, steps, b) for b in batches]
+        self._wait(pool, futures, batches)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Stop the workers after the work in flight; idempotent, bounded by ``timeout``."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close(self.timeout)
+
+    def __enter__(self) -> "HostAdamW":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _check(i: int, task) -> list[torch.Tensor]:
+        if len(task) != 5:
+            raise ValueError(f"task {i}: expected (master, grad, m, v, hyper), got "
+                             f"{len(task)} items")
+        *ts, hyper = task
+        if not isinstance(hyper, HostHyper):
+            raise TypeError(f"task {i}: hyper must be a HostHyper, got {type(hyper).__name__}")
+        if not isinstance(hyper.step, int) or hyper.step < 1:
+            raise ValueError(f"task {i}: Adam step must be an int >= 1, got {hyper.step!r}")
+        n = ts[0].numel()
+        for name, t in zip(("master", "grad", "m", "v"), ts):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise TypeError(f"task {i}: {name} must be fp32 on the CPU, got {t.dtype} on "
+                                f"{t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"task {i}: {name} must be contiguous")
+            if t.numel() != n:
+                raise ValueError(f"task {i}: {name} has {t.numel()} elements, master has {n}")
+        return [t.view(-1) for t in ts]
+
+    def _plan(self, flats, hypers) -> list[tuple]:
+        """Split the tasks into pieces and pack them into batches (one kernel call each).
+
+        A piece is ``(task, start, end)`` with ``start`` a multiple of ALIGN; a batch holds
+        pieces whose hyperparameters (all but the step, which the kernel takes per tensor)
+        agree, up to ``capacity`` elements, so many small tensors (or tiny pieces) share one
+        call; each piece is its own tensor in the call, so the split stays as planned."""
+        total = sum(f[0].numel() for f in flats)
+        if total == 0:
+            return []
+        want = math.ceil(total / (self.threads * PIECES_PER_THREAD))
+        piece = min(self.piece_max, max(MIN_PIECE, -(-want // ALIGN) * ALIGN))
+        # Tiny pieces (a small chunk_size) share a kernel call, up to the share of a thread.
+        capacity = max(piece, min(MIN_PIECE, want))
+        batches: list[tuple] = []
+        open_batch: dict[tuple, list] = {}  # key -> [pieces, elements]
+        for ti, (f, h) in enumerate(zip(flats, hypers)):
+            n = f[0].numel()
+            key = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.grad_divisor)
+            for s in range(0, n, piece):
+                e = min(s + piece, n)
+                cur = open_batch.get(key)
+                if cur is None or cur[1] + (e - s) > capacity:
+                    cur = open_batch[key] = [[], 0]
+                    batches.append((h, cur[0]))
+                cur[0].append((ti, s, e))
+                cur[1] += e - s
+        return batches
+
+    def _run_batch(self, flats, steps, batch) -> None:
+        hyper, pieces = batch
+        lists: list[list[torch.Tensor]] = [[], [], [], []]
+        for ti, s, e in pieces:
+            for out, t in zip(lists, flats[ti]):
+                out.append(t[s:e])
+        call = _fused_call if self.kernel == "fused" else _reference_call
+        call(lists, [steps[ti] for ti, _, _ in pieces], hyper)
+
+    def _wait(self, pool: _Pool, futures: list[Future], batches) -> None:
+        # TIMEOUT_GRACE: a caller that waits for this call with the same timeout (the
+        # optimizer's host worker) reports the timeout itself, first.
+        deadline = time.monotonic() + self.timeout + TIMEOUT_GRACE_S
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=min(_POLL_S, max(0.0, deadline -
+                                                                   time.monotonic())),
+                                 return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                for f in pending:
+                    f.cancel()
+                # Let the pieces already running finish before the caller touches the
+                # buffers again (bounded by the same deadline).
+                wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+                f = min(failed, key=futures.index)
+                exc = f.exception()
+                ti, s, e = batches[futures.index(f)][1][0]
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"(in host AdamW: the kernel call on task {ti}, elements "
+                                 f"[{s}:{e}), and the pieces batched with it)")
+                raise exc
+            if pending and time.monotonic() >= deadline:
+                for f in pending:
+                    f.cancel()
+                raise TimeoutError(f"host AdamW did not finish {len(pending)} of "
+                                   f"{len(futures)} pieces within timeout={self.timeout} s")
+            if pending and not pool.alive():
+                raise HostAdamWError("a host AdamW worker thread died")

@@ -81,6 +81,8 @@ class HostWorker:
                 raise TimeoutError(
                     f"host work {job.label} did not finish within host_timeout="
                     f"{self.timeout} s")
+        if isinstance(job.error, TimeoutError):  # a bounded wait inside the job ran out
+            raise TimeoutError(f"host work {job.label} timed out: {job.error}") from job.error
         if job.error is not None:
             raise HostWorkerError(
                 f"host work {job.label} failed: {job.error!r}\n"

@@ -1,0 +1,239 @@
+"""HostAdamW: torch.optim.AdamW's numbers, bit-identical whatever the threads and chunk size,
+batched updates, bounded waits, failures that raise."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import zenflow_triton.host.adamw as host_adamw
+from zenflow_triton.adamw_math import adamw_
+from zenflow_triton.host import HostAdamW, HostHyper
+
+# Sizes around the vector width (8 / 16), ALIGN (64) and MIN_PIECE (65536).
+SIZES = [1, 7, 63, 64, 65, 1023, 4097]
+
+
+def buffers(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g)
+    m = torch.randn(n, generator=g) * 1e-2
+    v = torch.rand(n, generator=g) * 1e-4
+    return [master, m, v]
+
+
+def grads(n: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 1, (1,), generator=g).item()
+            for _ in range(steps)]
+
+
+def hyper(step: int, **kw) -> HostHyper:
+    base = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    base.update(kw)
+    return HostHyper(step=step, **base)
+
+
+def run_host(adamw: HostAdamW, n: int, steps: int = 4, **kw) -> list[torch.Tensor]:
+    master, m, v = buffers(n)
+    for t, g in enumerate(grads(n, steps), start=1):
+        adamw.update(master, g.clone(), m, v, hyper(t, **kw))
+    return [master, m, v]
+
+
+def run_reference(n: int, steps: int = 4, **kw) -> list[torch.Tensor]:
+    master, m, v = buffers(n)
+    for t, g in enumerate(grads(n, steps), start=1):
+        h = hyper(t, **kw)
+        adamw_(master, g.clone(), m, v, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+               weight_decay=h.weight_decay, step=t)
+    return [master, m, v]
+
+
+def run_one_call(n: int, steps: int = 4) -> list[torch.Tensor]:
+    """The fused kernel on each whole tensor at once, in this thread (no chunks at all)."""
+    master, m, v = buffers(n)
+    for t, g in enumerate(grads(n, steps), start=1):
+        host_adamw._fused_call([[master], [g.clone()], [m], [v]], [t], hyper(t))
+    return [master, m, v]
+
+
+@pytest.fixture
+def host():
+    made = []
+
+    def make(threads=2, chunk_size=1 << 22, timeout=30.0, **kw):
+        h = HostAdamW(threads, chunk_size, timeout, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+@pytest.mark.parametrize("kernel", ["auto", "reference"])
+@pytest.mark.parametrize("kw", [{}, dict(weight_decay=0.0), dict(lr=0.0),
+                                dict(beta1=0.5, beta2=0.9, eps=1e-6)],
+                         ids=["default", "no-wd", "lr0", "betas"])
+def test_matches_torch_adamw_single_tensor(host, kernel, kw):
+    adamw = host(threads=2, chunk_size=97, kernel=kernel)
+    for n in SIZES:
+        got = run_host(adamw, n, **kw)
+        want = run_reference(n, **kw)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-9)
+
+
+def test_matches_torch_optim_adamw():
+    """Against torch.optim.AdamW itself (foreach=False: the single-tensor path)."""
+    n = 5000
+    master, m, v = buffers(n)
+    p = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([p], lr=3e-3, weight_decay=0.1, foreach=False)
+    with HostAdamW(2, 300, 30.0) as adamw:
+        m0, v0 = torch.zeros(n), torch.zeros(n)
+        for t, g in enumerate(grads(n, 5), start=1):
+            p.grad = g.clone()
+            opt.step()
+            adamw.update(master, g.clone(), m0, v0, hyper(t))
+    torch.testing.assert_close(master, p.detach(), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.skipif(not host_adamw._fused_available(), reason="no fused CPU AdamW in torch")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("chunk_size", [1, 7, 97, 4096, 1 << 20])
+def test_bit_identical_whatever_threads_and_chunk_size(host, threads, chunk_size):
+    adamw = host(threads=threads, chunk_size=chunk_size)
+    assert adamw.kernel == "fused"
+    for n in (63, 4097, 20_003) if chunk_size < 64 else (63, 4097, 20_003, 140_001):
+        got = run_host(adamw, n, steps=2)
+        want = run_one_call(n, steps=2)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (n, threads, chunk_size)
+
+
+def test_chunk_size_is_aligned(host):
+    assert host(chunk_size=1).piece_max == host_adamw.ALIGN
+    assert host(chunk_size=97).piece_max == 64
+    assert host(chunk_size=4096).piece_max == 4096
+    assert host(chunk_size=4100).piece_max == 4096
+
+
+def test_update_many_equals_separate_updates(host):
+    """Tasks with their own hyperparameters and steps, small ones packed into shared calls,
+    give exactly what one update per task gives."""
+    sizes = [5, 64, 1000, 1, 70_001, 333, 4096]
+    hypers = [hyper(1 + i % 3, lr=1e-3 * (1 + i % 2), weight_decay=0.1 * (i % 2))
+              for i in range(len(sizes))]
+    a = [buffers(n, seed=i) for i, n in enumerate(sizes)]
+    b = [[t.clone() for t in bufs] for bufs in a]
+    gs = [grads(n, 1, seed=10 + i)[0] for i, n in enumerate(sizes)]
+    batched = host(threads=2, chunk_size=1000)
+    batched.update_many([(bufs[0], g.clone(), bufs[1], bufs[2], h)
+                         for bufs, g, h in zip(a, gs, hypers)])
+    single = host(threads=1, chunk_size=1 << 22)
+    for bufs, g, h in zip(b, gs, hypers):
+        single.update(bufs[0], g.clone(), bufs[1], bufs[2], h)
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            assert torch.equal(s, t)
+
+
+def test_grad_divisor_is_the_window_mean(host):
+    adamw = host(threads=2, chunk_size=1000)
+    n = 10_007
+    a, b = buffers(n), buffers(n)
+    g = grads(n, 1)[0] * 4
+    g_a, g_b = g.clone(), g.clone()
+    adamw.update(a[0], g_a, a[1], a[2], HostHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 2, 4.0))
+    adamw.update(b[0], g_b.div_(4), b[1], b[2], hyper(2, lr=1e-3))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.equal(g_a, g_b)  # the grad holds the mean afterwards, as div_ leaves it
+
+
+def test_2d_and_empty_tasks(host):
+    adamw = host()
+    master, m, v = (t.view(7, 11) for t in buffers(77))
+    ref = [t.clone() for t in (master, m, v)]
+    g = torch.randn(7, 11)
+    adamw.update_many([(master, g.clone(), m, v, hyper(1)),
+                       (torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0),
+                        hyper(1))])
+    adamw_(ref[0], g.clone(), ref[1], ref[2], lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+           weight_decay=0.1, step=1)
+    for x, y in zip((master, m, v), ref):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-9)
+    adamw.update_many([])
+
+
+def test_workers_do_not_change_torch_threads(host):
+    before = torch.get_num_threads()
+    adamw = host(threads=2)
+    run_host(adamw, 70_001, steps=1)
+    assert torch.get_num_threads() == before
+    if torch.backends.openmp.is_available() and host_adamw._openmp() is not None:
+        assert adamw.workers_single_threaded
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda b: (b[0].double(), b[1], b[2], b[3]), "master must be fp32"),
+    (lambda b: (b[0], b[1][:-1], b[2], b[3]), "grad has 99 elements"),
+    (lambda b: (b[0].view(10, 10).t(), b[1].view(10, 10), b[2].view(10, 10),
+                b[3].view(10, 10)), "master must be contiguous"),
+])
+def test_bad_inputs_are_named(host, bad, match):
+    adamw = host()
+    bufs = [torch.zeros(100) for _ in range(4)]
+    with pytest.raises((TypeError, ValueError), match=match):
+        adamw.update(*bad(bufs), hyper(1))
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        adamw.update(*bufs, hyper(0))
+    with pytest.raises(ValueError, match="threads must be"):
+        HostAdamW(0, 10, 1.0)
+
+
+def test_failing_piece_raises_its_error(host, monkeypatch):
+    adamw = host(threads=2, chunk_size=64)
+    real = host_adamw._fused_call if adamw.kernel == "fused" else host_adamw._reference_call
+    calls = []
+
+    def flaky(lists, steps, h):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ArithmeticError("injected piece failure")
+        real(lists, steps, h)
+
+    monkeypatch.setattr(host_adamw, "_fused_call", flaky)
+    monkeypatch.setattr(host_adamw, "_reference_call", flaky)
+    master, m, v = buffers(100_000)
+    t0 = time.monotonic()
+    with pytest.raises(ArithmeticError, match="injected piece failure") as info:
+        adamw.update(master, torch.randn(100_000), m, v, hyper(1))
+    assert time.monotonic() - t0 < 10
+    if hasattr(info.value, "__notes__"):
+        assert "task 0, elements" in info.value.__notes__[0]
+    monkeypatch.undo()
+    run_host(adamw, 1000, steps=1)  # the pool survives a failed piece
+
+
+def test_stuck_piece_times_out(host, monkeypatch):
+    adamw = host(threads=2, chunk_size=64, timeout=0.3)
+    monkeypatch.setattr(host_adamw, "_fused_call", lambda *a: time.sleep(2))
+    monkeypatch.setattr(host_adamw, "_reference_call", lambda *a: time.sleep(2))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="timeout=0.3"):
+        adamw.update(*[torch.zeros(1000) for _ in range(4)], hyper(1))
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_close_is_idempotent_and_final():
+    adamw = HostAdamW(2, 64, 5.0)
+    run_host(adamw, 500, steps=1)
+    adamw.close()
+    adamw.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        adamw.update(*[torch.zeros(3) for _ in range(4)], hyper(1))
