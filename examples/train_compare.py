@@ -82,6 +82,8 @@ def run(name, model, make_opt, batches, loss_fn, heldout, steps):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        print(f"  {name} step {len(losses)}/{steps}: loss {losses[-1]:.4f} "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     if hasattr(opt, "synchronize"):
         opt.eval()  # apply pending host results before evaluating
     with torch.no_grad():

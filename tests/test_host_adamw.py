@@ -3,6 +3,7 @@ batched updates, bounded waits, failures that raise."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -237,3 +238,36 @@ def test_close_is_idempotent_and_final():
     adamw.close()
     with pytest.raises(RuntimeError, match="closed"):
         adamw.update(*[torch.zeros(3) for _ in range(4)], hyper(1))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux thread affinity")
+def test_host_cores_pin_the_pool_threads_and_never_fail():
+    first = min(os.sched_getaffinity(0))
+    adamw = HostAdamW(2, 1 << 10, 10.0, cores=(first,))
+    try:
+        assert all(adamw._pool.pinned)
+        for t in adamw._pool._threads:
+            assert os.sched_getaffinity(t.native_id) == {first}
+        assert os.sched_getaffinity(0) != {first} or len(os.sched_getaffinity(0)) == 1
+    finally:
+        adamw.close()
+    with pytest.warns(RuntimeWarning, match="none of these cores"):
+        bad = HostAdamW(1, 1 << 10, 10.0, cores=(100_000,))
+        # the warning is raised in the worker thread; wait until it has started
+        deadline = time.monotonic() + 5
+        while not bad._pool.single_threaded[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not any(bad._pool.pinned)
+    g = torch.randn(300)
+    p, m, v = torch.randn(300), torch.zeros(300), torch.zeros(300)
+    bad.update(p, g, m, v, HostHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1))  # still computes
+    assert torch.isfinite(p).all()
+    bad.close()
+
+
+def test_host_cores_config_validation():
+    from zenflow_triton import ConfigError, ZenFlowConfig
+    assert ZenFlowConfig(host_cores=[1, 0]).host_cores == (1, 0)
+    for bad in ([], [-1], "0,1", [0.5], [True]):
+        with pytest.raises(ConfigError, match="host_cores"):
+            ZenFlowConfig(host_cores=bad)

@@ -7,7 +7,7 @@ that names the field and the allowed range, never later inside a step.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
 Backend = Literal["auto", "torch", "triton"]
@@ -68,6 +68,10 @@ class ZenFlowConfig:
     host_threads: int | None = None
     """Threads (>= 1) of the host AdamW pool; None = torch.get_num_threads()."""
 
+    host_cores: tuple[int, ...] | None = None
+    """CPU cores the host AdamW threads are pinned to, e.g. cores the training loop does not
+    use (Linux); None = no pinning (default). Never fatal: unusable cores only warn."""
+
     host_lr_scale: Union[float, Literal["auto"]] = "auto"
     """Host learning-rate multiplier (> 0): "auto" means update_interval (a deferred column gets
     one Adam step per window); 1.0 gives ZenFlow's and DeepSpeed's semantics."""
@@ -102,6 +106,14 @@ class ZenFlowConfig:
         _check_choice("backend", self.backend, Backend)
         if self.host_threads is not None:
             _check_number("host_threads", self.host_threads, int, lo=1, rng=">= 1 or None")
+        if self.host_cores is not None:
+            cores = self.host_cores
+            if (isinstance(cores, (str, bytes)) or not hasattr(cores, "__iter__")
+                    or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                               for c in cores) or len(tuple(cores)) == 0):
+                raise ConfigError("host_cores must be None or a non-empty sequence of core "
+                                  f"numbers >= 0, got {cores!r}")
+            object.__setattr__(self, "host_cores", tuple(cores))  # lists from JSON profiles
         if self.host_lr_scale != "auto":
             _check_number("host_lr_scale", self.host_lr_scale, float, lo=0.0, lo_open=True,
                           rng='> 0 or "auto"')

@@ -87,7 +87,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
         threads = self.config.host_threads or max(1, torch.get_num_threads())
-        self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout)
+        self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout,
+                                     cores=self.config.host_cores)
         self._worker = HostWorker(self.config.host_timeout)
         self._inflight: HostJob | None = None
         # Gradients of single-step windows, handed to the host in the same step (never

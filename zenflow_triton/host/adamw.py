@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -136,20 +137,48 @@ def _worker_init() -> bool:
         return False
 
 
+def pin_current_thread(cores: "Sequence[int] | None") -> bool:
+    """Restrict the calling thread to ``cores`` (Linux ``sched_setaffinity`` on the thread);
+    returns whether it took effect. Never fatal: where the OS cannot do it, or none of the
+    cores is usable, it warns and the thread runs unpinned."""
+    if not cores:
+        return False
+    if not hasattr(os, "sched_setaffinity"):
+        warnings.warn("host_cores: this platform cannot pin threads to cores; host threads "
+                      "run unpinned", RuntimeWarning, stacklevel=2)
+        return False
+    try:
+        usable = set(cores) & os.sched_getaffinity(0)
+        if not usable:
+            warnings.warn(f"host_cores={tuple(cores)}: none of these cores is available to this "
+                          f"process ({sorted(os.sched_getaffinity(0))}); host threads run "
+                          "unpinned", RuntimeWarning, stacklevel=2)
+            return False
+        os.sched_setaffinity(0, usable)  # pid 0 = the calling thread on Linux
+        return True
+    except OSError as e:
+        warnings.warn(f"host_cores: pinning failed ({e}); host threads run unpinned",
+                      RuntimeWarning, stacklevel=2)
+        return False
+
+
 # ---------------------------------------------------------------------------- the pool
 
 class _Pool:
     """``n`` daemon threads running submitted calls; futures carry results and errors."""
 
-    def __init__(self, n: int, name: str) -> None:
+    def __init__(self, n: int, name: str, cores: "Sequence[int] | None" = None) -> None:
         self._queue: "queue.SimpleQueue[tuple | None]" = queue.SimpleQueue()
         self.single_threaded = [False] * n
+        self.cores = tuple(cores) if cores else None
+        self.pinned = [False] * n
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}",
                                           daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
 
     def _run(self, i: int) -> None:
+        self.pinned[i] = pin_current_thread(self.cores)
         self.single_threaded[i] = _worker_init()
         while True:
             item = self._queue.get()
@@ -231,10 +260,12 @@ class HostAdamW:
         timeout: seconds any ``update``/``update_many`` may wait for its pieces.
         kernel: ``"auto"`` (torch's fused CPU AdamW where available), ``"fused"`` or
             ``"reference"`` (``adamw_math.adamw_`` per piece).
+        cores: CPU cores the workers are pinned to (see :func:`pin_current_thread`), or
+            None to leave them where the OS puts them.
     """
 
     def __init__(self, threads: int, chunk_size: int, timeout: float,
-                 kernel: str = "auto") -> None:
+                 kernel: str = "auto", cores: "Sequence[int] | None" = None) -> None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -253,7 +284,7 @@ class HostAdamW:
             raise RuntimeError("torch._fused_adamw_ is not usable on CPU in this torch "
                                f"{torch.__version__}; use kernel='reference'")
         self.kernel = kernel
-        self._pool: _Pool | None = _Pool(threads, "zenflow-host-adamw")
+        self._pool: _Pool | None = _Pool(threads, "zenflow-host-adamw", cores)
 
     @property
     def workers_single_threaded(self) -> bool:
