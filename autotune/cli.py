@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -181,7 +180,6 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
           + (f", at most {timeout:.0f}s" if timeout else ""))
 
     bar = {"tqdm": None}
-    unit_box = {"unit": "items"}
 
     def on_start(finished: int, remaining: int) -> None:
         if finished:
@@ -326,7 +324,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
         print(f"accelerator {a['index']}: {a['name']}, {a['memory_gb']} GB, capability "
               f"{a['capability']}" + (f", PCIe {link['current_link_speed']} "
                                       f"x{link['current_link_width']}" if link else ""))
-    print(f"versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     m = info["matching_profile"]
     print(f"matching built-in profile: {m}" if m else "matching built-in profile: none")
     return EXIT_OK

@@ -15,7 +15,6 @@ import datetime as _dt
 import math
 import os
 import re
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ from typing import Any, Callable, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from zenflow_triton.profiles import Profile, save_profile
+from zenflow_triton.profiles import Profile, platform_dir, save_profile
 
 from .hardware import detect, measure_host_adam, versions
-from .objective import (CONSTRAINT_ATTR, Objective, TuneSettings, constraints_func,
+from .objective import (Objective, TuneSettings, constraints_func,
                         is_feasible, measure_reference)
 from .space import SearchSpace
 
@@ -47,18 +46,12 @@ class StudyMismatchError(ValueError):
 
 
 def data_dir() -> Path:
-    """``$ZENFLOW_DATA_DIR``, else ``$XDG_DATA_HOME/zenflow-triton`` (``~/.local/share/...``;
-    ``%LOCALAPPDATA%`` on Windows, ``~/Library/Application Support`` on macOS)."""
+    """``$ZENFLOW_DATA_DIR``, else zenflow-triton's per-user data folder
+    (``~/.local/share/zenflow-triton`` on Linux; see ``profiles.platform_dir``)."""
     env = os.environ.get(DATA_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    if sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Application Support"
-    else:
-        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "zenflow-triton"
+    return platform_dir("data")
 
 
 def default_storage_url() -> str:

@@ -147,3 +147,25 @@ class ReferenceZenFlow:
                     s["pending"] = True
             if not self.overlap or warm:
                 self._apply_pending()
+
+
+def run_reference(model, data, loss_fn, groups, lr_factor, *, min_offload_numel=64,
+                  sync_after=(), **cfg):
+    """Train ``model`` on ``data`` under the reference schedule; the lr of step i is the
+    group's initial lr times ``lr_factor(i)``; pending host results are applied after the
+    steps in ``sync_after`` (as ``synchronize()`` does) and at the end."""
+    for g in groups:
+        g.setdefault("betas", (0.9, 0.999))
+        g.setdefault("eps", 1e-8)
+    ref = ReferenceZenFlow(groups, min_offload_numel=min_offload_numel, **cfg)
+    base = [g["lr"] for g in groups]
+    for i, x in enumerate(data):
+        for g, lr0 in zip(groups, base):
+            g["lr"] = lr0 * lr_factor(i)
+        model.zero_grad()
+        loss_fn(model, x).backward()
+        ref.step()
+        if i in sync_after:
+            ref._apply_pending()
+    ref._apply_pending()
+    return model

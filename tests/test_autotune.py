@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import signal
 import subprocess
@@ -63,7 +62,7 @@ def dirs(tmp_path, monkeypatch):
 def test_space_stays_inside_valid_config_ranges(sampler):
     space = SearchSpace(max_host_threads=3)
     study = optuna.create_study(direction="maximize", sampler=sampler)
-    seen_ui, seen_e = set(), []
+    seen_ui = set()
     for i in range(150):
         trial = study.ask()
         s = space.suggest(trial)

@@ -8,7 +8,7 @@ from torch import nn
 
 from zenflow_triton import ZenFlowOptimizer
 
-from .helpers import batches, loss_fn, make_model, param_groups, params_of
+from .helpers import batches, loss_fn, make_model, params_of
 
 
 def test_closure_computes_loss_under_grad_and_is_returned():

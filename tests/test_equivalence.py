@@ -10,7 +10,7 @@ from zenflow_triton import ZenFlowOptimizer
 
 from .helpers import (batches, loss_fn, make_model, param_groups, params_of, train,
                       warmup_lambda)
-from .reference import ReferenceZenFlow
+from . import reference
 
 STEPS = 30
 
@@ -74,19 +74,7 @@ def test_deferred_schedule_differs_from_adamw():
 
 def run_reference(data, dtype=torch.float32, **cfg):
     model = make_model(dtype=dtype)
-    groups = param_groups(model)
-    for g in groups:
-        g.setdefault("betas", (0.9, 0.999))
-        g.setdefault("eps", 1e-8)
-    ref = ReferenceZenFlow(groups, min_offload_numel=64, **cfg)
-    base = [g["lr"] for g in groups]
-    for i, x in enumerate(data):
-        for g, lr0 in zip(groups, base):
-            g["lr"] = lr0 * warmup_lambda(i)
-        model.zero_grad()
-        loss_fn(model, x).backward()
-        ref.step()
-    ref._apply_pending()
+    reference.run_reference(model, data, loss_fn, param_groups(model), warmup_lambda, **cfg)
     return params_of(model)
 
 

@@ -14,7 +14,7 @@ import torch
 from zenflow_triton import ZenFlowOptimizer
 
 from .helpers import batches, loss_fn, make_model, param_groups, params_of, warmup_lambda
-from .reference import ReferenceZenFlow
+from . import reference
 
 STEPS = 40
 
@@ -68,23 +68,11 @@ def run_zenflow(data, plan, cfg, **host):
 
 
 def run_reference(data, plan, cfg):
-    cfg = dict(cfg)
-    cfg.pop("accumulate_on")
+    cfg = {k: v for k, v in cfg.items() if k != "accumulate_on"}
     model = make_model()
-    groups = param_groups(model)
-    for g in groups:
-        g.setdefault("betas", (0.9, 0.999))
-        g.setdefault("eps", 1e-8)
-    ref = ReferenceZenFlow(groups, min_offload_numel=64, **cfg)
-    base = [g["lr"] for g in groups]
-    for i, (x, action) in enumerate(zip(data, plan)):
-        set_lrs(groups, base, i)
-        model.zero_grad()
-        loss_fn(model, x).backward()
-        ref.step()
-        if action == "sync":
-            ref._apply_pending()
-    ref._apply_pending()
+    sync_after = {i for i, action in enumerate(plan) if action == "sync"}
+    reference.run_reference(model, data, loss_fn, param_groups(model), warmup_lambda,
+                            sync_after=sync_after, **cfg)
     return params_of(model)
 
 

@@ -25,7 +25,6 @@ state, the next window's accumulator) belongs to the main thread.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Callable, Iterable
 
 import torch

@@ -168,20 +168,33 @@ def builtin_profile_dir() -> Path:
     return Path(__file__).resolve().parent / "builtin"
 
 
-def user_profile_dir() -> Path:
-    """Directory of tuned (user) profiles: ``$ZENFLOW_PROFILE_DIR`` if set, else the platform
-    config dir (``$XDG_CONFIG_HOME/zenflow-triton/profiles``, ``~/.config/...`` by default;
-    ``%APPDATA%\\zenflow-triton\\profiles`` on Windows). It need not exist."""
-    env = os.environ.get(PROFILE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
+def platform_dir(kind: str) -> Path:
+    """zenflow-triton's per-user folder for ``kind`` "config" or "data" files:
+    ``$XDG_CONFIG_HOME`` / ``$XDG_DATA_HOME`` (``~/.config``, ``~/.local/share``) on Linux,
+    ``~/Library/Application Support`` on macOS, ``%APPDATA%`` / ``%LOCALAPPDATA%`` on
+    Windows. It need not exist."""
+    if kind not in ("config", "data"):
+        raise ValueError(f'kind must be "config" or "data", got {kind!r}')
     if sys.platform == "win32":
-        base = Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming")
+        var, default = ("APPDATA", ("AppData", "Roaming")) if kind == "config" else \
+            ("LOCALAPPDATA", ("AppData", "Local"))
+        base = Path(os.environ.get(var) or Path.home().joinpath(*default))
     elif sys.platform == "darwin":
         base = Path.home() / "Library" / "Application Support"
     else:
-        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    return base / "zenflow-triton" / "profiles"
+        var, default = ("XDG_CONFIG_HOME", (".config",)) if kind == "config" else \
+            ("XDG_DATA_HOME", (".local", "share"))
+        base = Path(os.environ.get(var) or Path.home().joinpath(*default))
+    return base / "zenflow-triton"
+
+
+def user_profile_dir() -> Path:
+    """Directory of tuned (user) profiles: ``$ZENFLOW_PROFILE_DIR`` if set, else
+    ``platform_dir("config") / "profiles"``. It need not exist."""
+    env = os.environ.get(PROFILE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    return platform_dir("config") / "profiles"
 
 
 def validate_name(name: Any) -> str:
