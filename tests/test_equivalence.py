@@ -117,3 +117,37 @@ def test_bf16_params_follow_reference():
         torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
     # bf16 params keep fp32 masters: the params are the masters rounded, nothing more.
     assert sum((g != w).sum().item() for g, w in zip(got, want)) <= sum(g.numel() for g in got) // 100
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(topk_ratio=0.2, update_interval=3, select_interval=6, overlap=True),
+    dict(topk_ratio=0.0, update_interval=1, select_interval=4, overlap=True),  # .grad itself
+], ids=["accumulator-on-loan", "grad-on-loan"])
+def test_slow_copy_in_cannot_race_the_training_loop(cfg, monkeypatch):
+    """The host job copies the window's gradient off its sources itself. Make that copy slow:
+    if the next accumulation (or the caller zeroing .grad in place) did not wait for it, the
+    job would copy the wrong numbers and the trajectory would leave the reference's."""
+    import time as _time
+
+    from zenflow_triton.transfer import Link
+
+    real = Link.copy_into
+
+    def slow(dst, src):
+        _time.sleep(0.02)
+        return real(dst, src)
+
+    monkeypatch.setattr(Link, "copy_into", staticmethod(slow))
+    data = batches(12)
+    model = make_model()
+    with ZenFlowOptimizer(param_groups(model), min_offload_numel=64, **cfg) as opt:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda)
+        for x in data:
+            loss_fn(model, x).backward()
+            opt.step()
+            sched.step()
+            for p in model.parameters():  # in place, as zero_grad(set_to_none=False) does
+                p.grad.zero_()
+        opt.synchronize()
+    monkeypatch.undo()
+    assert_params_close(params_of(model), run_reference(data, **cfg))

@@ -16,14 +16,19 @@ Schedule, with t the global step (1-based) and u = t - warmup_steps:
   written into the param at the next boundary, with overlap=False at once. The apply point is
   fixed by the step count, never by thread timing, so training is bit-for-bit reproducible.
 
-Ordering invariant of the async part: a host job owns, until the optimizer has waited for it,
-the host master/moments of the host-owned columns and the window's gradient copy; the main
-thread touches neither before ``_wait_inflight()``. Everything else (the param, the device
-state, the next window's accumulator) belongs to the main thread.
+Ordering invariant of the async part: a host job owns, until the optimizer has waited for it
+(``_wait_inflight``), the host master/moments of the host-owned columns and the staging
+buffers of the window's gradient. It also borrows the window's gradient sources (device
+accumulators, or a single-step window's own ``.grad``) until its copy-in is done
+(``_wait_copy_in``): the next accumulation waits for that, and a ``.grad`` source is waited
+for before ``step()`` returns. Everything else (the param, the device state) belongs to
+the main thread. On CUDA the worker's copies run on its current stream; a dedicated copy
+stream with events is not built yet.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -90,6 +95,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                      cores=self.config.host_cores)
         self._worker = HostWorker(self.config.host_timeout)
         self._inflight: HostJob | None = None
+        self._copy_in: threading.Event | None = None  # set when the job's copy-in is done
         # Gradients of single-step windows, handed to the host in the same step (never
         # kept across steps, so never part of the saved state).
         self._direct: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -271,6 +277,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
 
     def _accumulate(self, work, single_step_window: bool) -> None:
+        self._wait_copy_in()  # the accumulators are the previous job's until it copied them
         for group, p, g in work:
             st = self.state[p]
             if st["kind"] != MATRIX or st["host_idx"].numel() == 0:
@@ -307,6 +314,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Hand every param's window-mean gradient to the host worker (one job)."""
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
+        copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
         scale = self.config.effective_host_lr_scale
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -316,13 +324,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     continue
                 acc, count = st["acc"], st["acc_count"]
                 # The host buffer handed to the job: a per-param staging buffer, reused every
-                # window (the previous job has been waited for: launch follows _drain).
+                # window (the previous job has been waited for: launch follows _drain). The
+                # job itself copies the window's gradient into it (copy-in), so the training
+                # loop goes on while the bytes cross the link.
                 if p in self._direct:  # in the grad's dtype over the link, fp32 on the host
                     src = self._host_columns(*self._direct.pop(p))
-                    grad = self.link.to_host_into(self._staging_for(p, src.shape), src)
+                    grad = self._staging_for(p, src.shape)
+                    copies.append((grad, src, False))
                 elif self.config.accumulate_on == "device":  # fp32 window sum, once a window
-                    grad = self.link.to_host_into(self._staging_for(p, acc.shape), acc)
-                    acc.zero_()
+                    grad = self._staging_for(p, acc.shape)
+                    copies.append((grad, acc, True))  # the job zeroes it after the copy
                 else:  # host accumulator: the job takes it, the spare becomes the accumulator
                     grad = acc
                     st["acc"] = self._staging_for(p, acc.shape).zero_()
@@ -336,13 +347,39 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 tasks.append((st["host_master"], grad, st["host_m"], st["host_v"], hyper))
         if not tasks:
             return
-        adamw = self._host_adamw
+        adamw, link = self._host_adamw, self.link
+        copied_in = threading.Event()
+        direct = any(not zero_src for _, _, zero_src in copies)
 
-        def run() -> None:  # every param of the window in one pool dispatch
-            adamw.update_many(tasks)
+        def run() -> None:
+            try:  # copy-in first: device -> host staging; then the sources are free again
+                for dst, src, zero_src in copies:
+                    link.copy_into(dst, src)
+                    if zero_src:
+                        src.zero_()
+            finally:
+                copied_in.set()
+            adamw.update_many(tasks)  # every param of the window in one pool dispatch
 
+        for _, src, _ in copies:  # counted here, at launch: stats() never races the job
+            link.count_d2h(src.numel() * src.element_size())
         self._counters["host_updates"] += 1
         self._inflight = self._worker.submit(run, f"host AdamW of step {self._global_step}")
+        self._copy_in = copied_in
+        if direct:  # a param's own .grad: the caller may overwrite it once step() returns
+            self._wait_copy_in()
+
+    def _wait_copy_in(self) -> None:
+        """Block until the job in flight has copied its window's gradients off the device
+        accumulators (they are on loan to it until then)."""
+        if self._copy_in is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._worker.wait_event(self._copy_in, "the copy-in of the host job in flight")
+        finally:
+            self._counters["host_wait_seconds"] += time.perf_counter() - t0
+        self._copy_in = None
 
     def _wait_inflight(self) -> None:
         job = self._inflight
@@ -356,6 +393,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             if job.done.is_set():
                 self._counters["host_busy_seconds"] += job.busy_seconds
                 self._inflight = None
+                self._copy_in = None
 
     def _drain(self) -> None:
         """Wait for host work in flight, then write every pending host result into its param."""

@@ -59,7 +59,13 @@ class Link:
     def to_host_into(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """Copy a device tensor into the host buffer ``dst`` (cast to ``dst``'s dtype on the
         host side: the link carries ``src``'s dtype); returns ``dst``."""
-        self._count(d2h=src.numel() * src.element_size())
+        self.count_d2h(src.numel() * src.element_size())
+        return self.copy_into(dst, src)
+
+    @staticmethod
+    def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """The copy of :meth:`to_host_into` alone, for a transfer already counted where it
+        was planned (so byte counts never depend on when a worker thread runs)."""
         dst.copy_(src)
         return dst
 

@@ -70,17 +70,20 @@ class HostWorker:
         self._queue.put(job)
         return job
 
+    def wait_event(self, event: threading.Event, label: str) -> None:
+        """Block until the worker sets ``event``; bounded by ``timeout`` and by the worker's
+        liveness."""
+        deadline = time.monotonic() + self.timeout
+        while not event.wait(_POLL_S):
+            if not self.alive:
+                raise HostWorkerError(f"the host worker thread died before finishing {label}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"host work {label} did not finish within host_timeout="
+                                   f"{self.timeout} s")
+
     def wait(self, job: HostJob) -> None:
         """Block until ``job`` finishes; raise HostWorkerError if it failed or the worker died."""
-        deadline = time.monotonic() + self.timeout
-        while not job.done.wait(_POLL_S):
-            if not self.alive:
-                raise HostWorkerError(
-                    f"the host worker thread died before finishing {job.label}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"host work {job.label} did not finish within host_timeout="
-                    f"{self.timeout} s")
+        self.wait_event(job.done, job.label)
         if isinstance(job.error, TimeoutError):  # a bounded wait inside the job ran out
             raise TimeoutError(f"host work {job.label} timed out: {job.error}") from job.error
         if job.error is not None:
