@@ -68,11 +68,22 @@ def make_storage(url: str | None = None, *, heartbeat_interval: int = HEARTBEAT_
         path.parent.mkdir(parents=True, exist_ok=True)
         # Several processes on one SQLite file: wait for the write lock instead of failing.
         engine_kwargs = {"connect_args": {"timeout": 60}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
-                                          heartbeat_interval=heartbeat_interval,
-                                          grace_period=grace_period)
+    # Several processes starting on one new database race to create its schema; the loser
+    # gets an IntegrityError/OperationalError and simply retries once the winner is done.
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for attempt in range(6):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
+                                                  heartbeat_interval=heartbeat_interval,
+                                                  grace_period=grace_period)
+        except (IntegrityError, OperationalError):
+            if attempt == 5:
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def redact_url(url: str) -> str:

@@ -295,6 +295,29 @@ def test_resume_after_sigkill_keeps_finished_trials_and_fails_the_killed_one(dir
     assert load_profile("kill-prof").provenance["study"] == "kill"
 
 
+def test_two_processes_share_one_new_study(dirs):
+    """Two zenflow-tune processes started together on one new SQLite study: both finish,
+    the study holds the trials they were asked for, none left RUNNING or FAILED."""
+    url = f"sqlite:///{dirs / 'shared.db'}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]),
+               **{PROFILE_DIR_ENV: str(dirs / "profiles"), S.DATA_DIR_ENV: str(dirs / "data")})
+    args = ["run", "--workload", "test_autotune:small_lm", "--study", "shared",
+            "--storage", url, "--steps", "8", "--skip-steps", "2", "--n-trials", "4",
+            "--max-host-threads", "1", "--no-profile"]
+    procs = [subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    trials = optuna.load_study(study_name="shared",
+                               storage=S.make_storage(url)).get_trials(deepcopy=False)
+    states = [t.state for t in trials]
+    # Each process stops once 4 trials are finished; one running in the other may finish too.
+    assert 4 <= states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED) <= 5
+    assert TrialState.RUNNING not in states and TrialState.FAIL not in states
+
+
 # ---- CLI bad inputs ---------------------------------------------------------------------
 @pytest.mark.parametrize("argv", [[], ["frobnicate"], ["run", "--steps", "0"],
                                   ["run", "--n-trials", "x"], ["show"],
