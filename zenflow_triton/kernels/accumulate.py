@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import _launch
-from .columns import _check_idx
+from .columns import _check_idx, column_tile
 
 try:
     import triton
@@ -30,13 +30,8 @@ def _accumulate_columns_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # acc[r, j] += scale * g[r, idx[j]]. 1-D grid over [rows, n] tiles, n fastest.
-    pid = tl.program_id(0)
-    k_blocks = tl.cdiv(n, BLOCK_K)
-    offs_r = ((pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < n
-    mask = (offs_r < rows)[:, None] & mask_k[None, :]
-    cols = tl.load(idx_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    offs_r, offs_k, cols, mask = column_tile(tl.program_id(0), rows, n, idx_ptr,
+                                             BLOCK_R, BLOCK_K)
     g = tl.load(g_ptr + offs_r[:, None] * stride_gr + (cols * stride_gc)[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     acc_ptrs = acc_ptr + offs_r[:, None] * stride_ar + (offs_k.to(tl.int64) * stride_ac)[None, :]

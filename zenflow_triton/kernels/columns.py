@@ -40,6 +40,20 @@ def cast_rtne(x, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
+def column_tile(pid, rows, k, idx_ptr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile of program ``pid`` in a 1-D grid over [rows, k] (k fastest, so neighbouring
+    programs share rows): row offsets, compact column offsets, the selected column indices
+    ``idx[offs_k]`` (int64) and the in-bounds mask. Every column kernel starts with this."""
+    k_blocks = tl.cdiv(k, BLOCK_K)
+    offs_r = ((pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k
+    mask = (offs_r < rows)[:, None] & mask_k[None, :]
+    cols = tl.load(idx_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    return offs_r, offs_k, cols, mask
+
+
+@triton.jit
 def _gather_columns_kernel(
     src_ptr, idx_ptr, out_ptr,
     rows, k, stride_sr, stride_sc,
@@ -47,13 +61,8 @@ def _gather_columns_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # out[r, j] = src[r, idx[j]]; out is contiguous [rows, k]. 1-D grid, k fastest.
-    pid = tl.program_id(0)
-    k_blocks = tl.cdiv(k, BLOCK_K)
-    offs_r = ((pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < k
-    mask = (offs_r < rows)[:, None] & mask_k[None, :]
-    cols = tl.load(idx_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    offs_r, offs_k, cols, mask = column_tile(tl.program_id(0), rows, k, idx_ptr,
+                                             BLOCK_R, BLOCK_K)
     x = tl.load(src_ptr + offs_r[:, None] * stride_sr + (cols * stride_sc)[None, :], mask=mask)
     tl.store(out_ptr + offs_r[:, None] * k + offs_k[None, :],
              cast_rtne(x, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
@@ -67,13 +76,8 @@ def _scatter_columns_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # dst[r, idx[j]] = src[r, j]. 1-D grid, k fastest.
-    pid = tl.program_id(0)
-    k_blocks = tl.cdiv(k, BLOCK_K)
-    offs_r = ((pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < k
-    mask = (offs_r < rows)[:, None] & mask_k[None, :]
-    cols = tl.load(idx_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    offs_r, offs_k, cols, mask = column_tile(tl.program_id(0), rows, k, idx_ptr,
+                                             BLOCK_R, BLOCK_K)
     x = tl.load(src_ptr + offs_r[:, None] * stride_sr + (offs_k.to(tl.int64) * stride_sc)[None, :],
                 mask=mask)
     tl.store(dst_ptr + offs_r[:, None] * stride_dr + (cols * stride_dc)[None, :],

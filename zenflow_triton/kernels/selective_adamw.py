@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import _launch
-from .columns import _check_idx, cast_rtne
+from .columns import _check_idx, cast_rtne, column_tile
 from ..adamw_math import adamw_, bias_corrections
 
 try:
@@ -61,16 +61,8 @@ def _selective_adamw_kernel(
 ):
     # 1-D grid over [rows/BLOCK_R, k/BLOCK_K] tiles, k fastest (neighbouring programs share
     # rows). The compact state m, v, master is contiguous [rows, k].
-    pid = tl.program_id(0)
-    k_blocks = tl.cdiv(k, BLOCK_K)
-    pid_r = pid // k_blocks
-    pid_k = pid % k_blocks
-    offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < k
-    mask = (offs_r < rows)[:, None] & mask_k[None, :]
-
-    cols = tl.load(idx_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+    offs_r, offs_k, cols, mask = column_tile(tl.program_id(0), rows, k, idx_ptr,
+                                             BLOCK_R, BLOCK_K)
     state = offs_r[:, None] * k + offs_k[None, :]
     p_ptrs = p_ptr + offs_r[:, None] * stride_pr + (cols * stride_pc)[None, :]
     g = tl.load(g_ptr + offs_r[:, None] * stride_gr + (cols * stride_gc)[None, :],
