@@ -176,7 +176,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
         boundary = warmup or u % cfg.update_interval == 0
         self._device_update(work)
-        self._accumulate(work, single_step_window=boundary and (warmup or cfg.update_interval == 1))
+        self._accumulate(work,
+                         single_step_window=boundary and (warmup or cfg.update_interval == 1))
 
         if boundary:
             if cfg.overlap and not warmup:
