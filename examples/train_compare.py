@@ -105,10 +105,14 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=4)
+    ap.add_argument("--host-lr-scale", default="auto",
+                    help='"auto" (= update_interval) or a number; 1.0 = DeepSpeed semantics')
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     setup = tinylm_setup if args.model == "tinylm" else smollm2_setup
     lr = args.lr or (3e-3 if args.model == "tinylm" else 2e-5)
+    host_lr_scale = args.host_lr_scale if args.host_lr_scale == "auto" \
+        else float(args.host_lr_scale)
     model0, batches, loss_fn, heldout = setup(args)
     init = copy.deepcopy(model0.state_dict())
     data = [b for _, b in zip(range(args.steps), batches)]  # the same batches for both
@@ -118,7 +122,8 @@ def main(argv=None):
         ("AdamW", lambda m: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01)),
         ("ZenFlow", lambda m: ZenFlowOptimizer(m.parameters(), lr=lr, weight_decay=0.01,
                                                topk_ratio=args.topk_ratio,
-                                               update_interval=args.update_interval)),
+                                               update_interval=args.update_interval,
+                                               host_lr_scale=host_lr_scale)),
     ]:
         model0.load_state_dict(init)
         torch.manual_seed(args.seed)
@@ -126,7 +131,7 @@ def main(argv=None):
 
     print(f"model={args.model} params={sum(p.numel() for p in model0.parameters()):,} "
           f"steps={args.steps} lr={lr} topk_ratio={args.topk_ratio} "
-          f"update_interval={args.update_interval}")
+          f"update_interval={args.update_interval} host_lr_scale={host_lr_scale}")
     print(f"{'step':>4}  {'AdamW loss':>10}  {'ZenFlow loss':>12}")
     a, z = results["AdamW"][0], results["ZenFlow"][0]
     for i in range(args.steps):
