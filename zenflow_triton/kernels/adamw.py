@@ -3,7 +3,8 @@
 ``params[i]`` any float dtype; ``masters[i]`` fp32 copy when params[i] is low precision else
 None; ``ms``/``vs`` fp32; ``steps[i]`` the 1-based Adam step of params[i] after this update.
 
-Triton kernel -> launcher :func:`adamw` -> torch reference :func:`adamw_ref` (the contract).
+Triton kernel -> launcher :func:`adamw_scalars_launch` (the registered op in ``triton_ops``
+wraps it) -> torch reference :func:`adamw_ref` (the contract).
 Each tensor is treated as flat; the launcher runs one elementwise launch per tensor with
 that tensor's bias corrections (computed on the host).
 """
@@ -17,7 +18,7 @@ import torch
 from . import _launch
 from ..adamw_math import adamw_
 from .columns import cast_rtne
-from .selective_adamw import _adamw_math, adamw_scalars
+from .selective_adamw import _adamw_math
 
 try:
     import triton
@@ -99,20 +100,6 @@ def adamw_scalars_launch(params: Sequence[torch.Tensor], grads: Sequence[torch.T
             HAS_MASTER=master is not None, SOFT_BF16=soft_bf16, BLOCK=block,
             num_warps=num_warps,
         )
-
-
-def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-          ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
-          masters: Sequence[torch.Tensor | None], steps: Sequence[int], *,
-          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """Triton launcher; same contract as :func:`adamw_ref`."""
-    scal = [adamw_scalars(lr, beta1, beta2, eps, weight_decay, s) for s in steps]
-    if not scal:
-        return
-    s0 = scal[0]
-    adamw_scalars_launch(params, grads, ms, vs, masters, s0["decay"], s0["lerp_w"],
-                         s0["beta2"], s0["one_minus_beta2"], s0["eps"],
-                         [s["neg_step_size"] for s in scal], [s["bc2_sqrt"] for s in scal])
 
 
 def adamw_ref(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],

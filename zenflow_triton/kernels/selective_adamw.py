@@ -3,7 +3,8 @@
 ``p2d`` [rows, cols] (fp32/bf16/fp16), ``g2d`` [rows, cols], ``idx`` [k] sorted int64,
 ``m``, ``v`` fp32 [rows, k], ``master`` fp32 [rows, k] when ``p`` is low precision else None.
 
-Triton kernel -> launcher :func:`selective_adamw` -> torch reference
+Triton kernel -> launcher :func:`selective_adamw_scalars` (takes the precomputed scalars of
+:func:`adamw_scalars`; the registered op in ``triton_ops`` wraps it) -> torch reference
 :func:`selective_adamw_ref` (the contract). One pass: gathers ``g[:, idx]`` (and
 ``p[:, idx]`` when there is no master), updates ``m, v`` and the weight in fp32, writes
 them back and scatters the new weight into ``p[:, idx]`` in p's dtype.
@@ -130,17 +131,6 @@ def selective_adamw_scalars(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Ten
         HAS_MASTER=master is not None, SOFT_BF16=_launch.interpreting(),
         BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
     )
-
-
-def selective_adamw(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
-                    m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None, *,
-                    lr: float, beta1: float, beta2: float, eps: float,
-                    weight_decay: float, step: int) -> None:
-    """Triton launcher; same contract as :func:`selective_adamw_ref`."""
-    if idx.numel() == 0:
-        return
-    selective_adamw_scalars(p2d, g2d, idx, m, v, master,
-                            **adamw_scalars(lr, beta1, beta2, eps, weight_decay, step))
 
 
 def selective_adamw_ref(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
