@@ -56,16 +56,11 @@ class Link:
         out.copy_(src, non_blocking=False)
         return out if dtype is None or dtype == src.dtype else out.to(dtype)
 
-    def to_host_into(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """Copy a device tensor into the host buffer ``dst`` (cast to ``dst``'s dtype on the
-        host side: the link carries ``src``'s dtype); returns ``dst``."""
-        self.count_d2h(src.numel() * src.element_size())
-        return self.copy_into(dst, src)
-
     @staticmethod
     def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """The copy of :meth:`to_host_into` alone, for a transfer already counted where it
-        was planned (so byte counts never depend on when a worker thread runs)."""
+        """Copy a device tensor into the host buffer ``dst`` (cast on the host side), for a
+        transfer counted with :meth:`count_d2h` where it was planned, so byte counts never
+        depend on when a worker thread runs."""
         dst.copy_(src)
         return dst
 
@@ -83,9 +78,6 @@ class Link:
 
     def count_d2h(self, nbytes: int) -> None:
         self._count(d2h=nbytes)
-
-    def count_h2d(self, nbytes: int) -> None:
-        self._count(h2d=nbytes)
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
