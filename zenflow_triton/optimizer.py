@@ -102,6 +102,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # Per-param host buffers for the window gradient, reused across windows (transient:
         # free whenever no host job is in flight, so never saved).
         self._staging: dict[torch.Tensor, torch.Tensor] = {}
+        self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -284,7 +285,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             if st["kind"] != MATRIX or st["host_idx"].numel() == 0:
                 continue
             g2d = view2d(g)
-            host_idx = st["host_idx"].to(g.device)
+            host_idx = self._host_idx_on_device(p, st)
             if single_step_window and st["acc_count"] == 0:
                 # The window is this step alone: its gradient goes to the host as it is, at
                 # launch, with no pass through the accumulator (ZeRO-Offload mode, warm-up).
@@ -295,6 +296,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 cols = self.link.to_host(self._host_columns(g2d, host_idx))
                 st["acc"].add_(cols)
             st["acc_count"] += 1
+
+    def _host_idx_on_device(self, p: torch.Tensor, st: dict) -> torch.Tensor:
+        """``st["host_idx"]`` (kept in host memory) on ``p``'s device, copied once per
+        selection instead of every step."""
+        cached = self._host_idx_dev.get(p)
+        if cached is None or cached[0] is not st["host_idx"]:
+            cached = self._host_idx_dev[p] = (st["host_idx"], st["host_idx"].to(p.device))
+        return cached[1]
 
     def _staging_for(self, p: torch.Tensor, shape) -> torch.Tensor:
         """The reusable fp32 host buffer of ``p``'s window gradient (pinned where CUDA
@@ -404,7 +413,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if st and st.get("host_pending"):
                     self.ops.scatter_columns(
-                        view2d(p.detach()), st["host_idx"].to(p.device),
+                        view2d(p.detach()), self._host_idx_on_device(p, st),
                         self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
                     st["host_pending"] = False
 
