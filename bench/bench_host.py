@@ -25,6 +25,7 @@ ZENFLOW_BENCH_QUICK=1 shrinks every size so the suite runs in seconds.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 
@@ -40,7 +41,7 @@ from zenflow_triton.host.adamw import _Pool
 QUICK = _report.QUICK
 THREADS = max(1, torch.get_num_threads())
 BYTES_PER_ELEM = 28
-CHUNK = 1 << 22
+CHUNK = int(os.environ.get("ZENFLOW_BENCH_CHUNK", 1 << 22))
 
 SIZES = {"2^20": [1 << 20], "mixed100_2^20": None} if QUICK else \
     {"2^24": [1 << 24], "2^26": [1 << 26], "mixed100_2^24": None}

@@ -146,3 +146,26 @@ def test_named_params_and_eval_applies_pending():
     opt.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
+
+
+def test_synchronous_host_job_streams_without_full_size_staging():
+    """Where a window's result applies at once (overlap=False), the host job loads the
+    gradient piece by piece into bounded scratch: no staging buffer grows with the model.
+    With overlap=True it stages the whole window gradient, so the sources are free early."""
+    from zenflow_triton.host.adamw import ALIGN, MIN_PIECE
+
+    def staging(**cfg):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+        with ZenFlowOptimizer(model.parameters(), lr=1e-3, topk_ratio=0.0, host_threads=2,
+                              chunk_size=4096, **cfg) as opt:
+            for _ in range(3):
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p)
+                opt.step()
+            return opt.stats()["host_staging_bytes"]
+
+    matrix_bytes = 2 * 512 * 512 * 4
+    streamed = staging(update_interval=1, overlap=False)
+    assert 0 < streamed <= 2 * 4 * (max(4096, MIN_PIECE) + 16 * ALIGN) < matrix_bytes
+    assert staging(update_interval=2, overlap=True) >= matrix_bytes

@@ -84,6 +84,9 @@ SCHEDULES = [
     dict(topk_ratio=0.3, update_interval=2, select_interval=4, overlap=True, warmup_steps=5),
     dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
          host_lr_scale=1.0),
+    # every column host-owned, synchronous: the job streams the accumulator piece by piece
+    # and writes the params itself
+    dict(topk_ratio=0.0, update_interval=2, select_interval=4, overlap=False),
 ]
 
 
@@ -107,9 +110,12 @@ def test_overlap_runs_are_bit_identical(accumulate_on):
         assert torch.equal(x, y)
 
 
-def test_bf16_params_follow_reference():
+@pytest.mark.parametrize("cfg", [
+    dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True),
+    dict(topk_ratio=0.0, update_interval=1, select_interval=4, overlap=False),  # job stores
+], ids=["overlap", "zero-offload"])
+def test_bf16_params_follow_reference(cfg):
     data = batches(16)
-    cfg = dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True)
     got, _ = run_zenflow(data, dtype=torch.bfloat16, **cfg)
     want = run_reference(data, dtype=torch.bfloat16, **cfg)
     for g, w in zip(got, want):
@@ -129,15 +135,17 @@ def test_slow_copy_in_cannot_race_the_training_loop(cfg, monkeypatch):
     job would copy the wrong numbers and the trajectory would leave the reference's."""
     import time as _time
 
-    from zenflow_triton.transfer import Link
+    from zenflow_triton.transfer import CopyQueue
 
-    real = Link.copy_into
+    real = CopyQueue.copy
+    calls = []
 
-    def slow(dst, src):
+    def slow(self, dst, src):
+        calls.append(1)
         _time.sleep(0.02)
-        return real(dst, src)
+        return real(self, dst, src)
 
-    monkeypatch.setattr(Link, "copy_into", staticmethod(slow))
+    monkeypatch.setattr(CopyQueue, "copy", slow)
     data = batches(12)
     model = make_model()
     with ZenFlowOptimizer(param_groups(model), min_offload_numel=64, **cfg) as opt:
@@ -150,4 +158,5 @@ def test_slow_copy_in_cannot_race_the_training_loop(cfg, monkeypatch):
                 p.grad.zero_()
         opt.synchronize()
     monkeypatch.undo()
+    assert calls  # the copies went through the slowed path
     assert_params_close(params_of(model), run_reference(data, **cfg))

@@ -11,7 +11,7 @@ import torch
 
 import zenflow_triton.host.adamw as host_adamw
 from zenflow_triton.adamw_math import adamw_
-from zenflow_triton.host import HostAdamW, HostHyper
+from zenflow_triton.host import HostAdamW, HostHyper, PieceIO
 
 # Sizes around the vector width (8 / 16), ALIGN (64) and MIN_PIECE (65536).
 SIZES = [1, 7, 63, 64, 65, 1023, 4097]
@@ -141,6 +141,82 @@ def test_update_many_equals_separate_updates(host):
     for x, y in zip(a, b):
         for s, t in zip(x, y):
             assert torch.equal(s, t)
+
+
+def _streamed(grad_src: torch.Tensor, out: torch.Tensor, master: torch.Tensor, log: list):
+    """A PieceIO that loads from ``grad_src`` and stores ``master`` into ``out``, logging."""
+    def load(s, e, buf):
+        log.append(("load", s, e))
+        buf.copy_(grad_src[s:e])
+
+    def store(s, e):
+        log.append(("store", s, e))
+        out[s:e].copy_(master[s:e])
+    return PieceIO(load, store)
+
+
+@pytest.mark.skipif(not host_adamw._fused_available(), reason="no fused CPU AdamW in torch")
+@pytest.mark.parametrize("threads,chunk_size", [(1, 1 << 22), (2, 97), (3, 4096),
+                                                (2, 1 << 20)])
+def test_piece_io_streams_the_same_numbers(host, threads, chunk_size):
+    """A gradient loaded piece by piece into the workers' scratch, and the master stored piece
+    by piece, give exactly the plain update; every element is loaded and stored once, and
+    each store comes after its piece's kernel call (it sees the new master)."""
+    adamw = host(threads=threads, chunk_size=chunk_size)
+    sizes = [5, 64, 70_001, 333, 300_007]  # the last spans several STREAM_PIECE pieces
+    a = [buffers(n, seed=i) for i, n in enumerate(sizes)]
+    b = [[t.clone() for t in bufs] for bufs in a]
+    gs = [grads(n, 1, seed=10 + i)[0] for i, n in enumerate(sizes)]
+    h = HostHyper(3e-3, 0.9, 0.999, 1e-8, 0.1, 3, grad_divisor=3.0)
+    outs = [torch.full((n,), float("nan")) for n in sizes]
+    logs: list[list] = [[] for _ in sizes]
+    srcs = [g.clone() for g in gs]
+    adamw.update_many([(bufs[0], None, bufs[1], bufs[2], h, _streamed(src, out, bufs[0], log))
+                       for bufs, src, out, log in zip(a, srcs, outs, logs)])
+    host(threads=1).update_many([(bufs[0], g.clone(), bufs[1], bufs[2], h)
+                                 for bufs, g in zip(b, gs)])
+    for x, y, out, src, g, log, n in zip(a, b, outs, srcs, gs, logs, sizes):
+        for s_, t in zip(x, y):
+            assert torch.equal(s_, t)
+        assert torch.equal(out, x[0])  # stored after the update
+        assert torch.equal(src, g)  # the source is read, never divided in place
+        for kind in ("load", "store"):
+            spans = sorted((s_, e) for k, s_, e in log if k == kind)
+            assert spans[0][0] == 0 and spans[-1][1] == n
+            assert all(e0 == s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+            assert all(s_ % host_adamw.ALIGN == 0 for s_, _ in spans)
+            assert all(e - s_ <= host_adamw.STREAM_PIECE for s_, e in spans)
+
+
+def test_piece_io_scratch_is_bounded_by_the_piece(host):
+    adamw = host(threads=2, chunk_size=4096)
+    n = 1_000_000
+    master, m, v = buffers(n)
+    src = grads(n, 1)[0]
+    adamw.update_many([(master, None, m, v, hyper(1),
+                        PieceIO(lambda s, e, out: out.copy_(src[s:e]), None))])
+    # one batch per worker at a time: at most max(chunk_size, MIN_PIECE) elements, plus
+    # alignment, each; never the tensor's 1M elements
+    bound = 2 * 4 * (max(4096, host_adamw.MIN_PIECE) + host_adamw.ALIGN * 16)
+    assert 0 < adamw.scratch_bytes() <= bound
+
+
+def test_piece_io_failures_are_named(host):
+    adamw = host(threads=2, chunk_size=64)
+    master, m, v = buffers(1000)
+
+    def bad_load(s, e, out):
+        raise OSError("injected copy-in failure")
+
+    with pytest.raises(OSError, match="injected copy-in failure"):
+        adamw.update_many([(master, None, m, v, hyper(1), PieceIO(bad_load, None))])
+    with pytest.raises(ValueError, match="grad=None exactly when io.load"):
+        adamw.update_many([(master, None, m, v, hyper(1))])
+    with pytest.raises(ValueError, match="grad=None exactly when io.load"):
+        adamw.update_many([(master, torch.zeros(1000), m, v, hyper(1),
+                            PieceIO(lambda s, e, o: None, None))])
+    with pytest.raises(TypeError, match="io must be a PieceIO"):
+        adamw.update_many([(master, torch.zeros(1000), m, v, hyper(1), object())])
 
 
 def test_grad_divisor_is_the_window_mean(host):

@@ -21,9 +21,11 @@ Ordering invariant of the async part: a host job owns, until the optimizer has w
 buffers of the window's gradient. It also borrows the window's gradient sources (device
 accumulators, or a single-step window's own ``.grad``) until its copy-in is done
 (``_wait_copy_in``): the next accumulation waits for that, and a ``.grad`` source is waited
-for before ``step()`` returns. Everything else (the param, the device state) belongs to
-the main thread. On CUDA the worker's copies run on its current stream; a dedicated copy
-stream with events is not built yet.
+for before ``step()`` returns. A job whose result applies at once (overlap=False, warm-up)
+is waited for in the same step, so it may also write the params whose columns are all
+host-owned (``_stored_by_job``); everything else (the other params, the device state)
+belongs to the main thread. The job's device copies go through a ``transfer.CopyQueue``:
+on CUDA a copy stream ordered after what the main thread queued before the launch.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .config import ZenFlowConfig
-from .host import HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError
+from .host import HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError, PieceIO
 from .kernels import KernelOps, get_ops, triton_available
 from .partition import (MATRIX, SMALL, classify, init_matrix_state, migrate, new_accumulator,
                         num_selected, select_columns, view2d)
@@ -103,6 +105,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # free whenever no host job is in flight, so never saved).
         self._staging: dict[torch.Tensor, torch.Tensor] = {}
         self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stored_by_job: list[torch.Tensor] = []
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -183,9 +186,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if boundary:
             if cfg.overlap and not warmup:
                 self._drain()          # apply the window that ended update_interval ago
-                self._launch_host()
+                self._launch_host(apply_now=False)
             else:
-                self._launch_host()
+                self._launch_host(apply_now=True)
                 self._drain()          # synchronous: apply this window's result now
         return loss
 
@@ -320,12 +323,37 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return self.ops.gather_columns(g2d, host_idx)
 
     # ------------------------------------------------------------------ host half
-    def _launch_host(self) -> None:
-        """Hand every param's window-mean gradient to the host worker (one job)."""
+    def _launch_host(self, apply_now: bool) -> None:
+        """Hand every param's window-mean gradient to the host worker (one job).
+
+        ``apply_now``: the caller drains this job at once (overlap=False, warm-up). The job
+        then streams: each pool worker loads a piece of the gradient straight from its source
+        into its own scratch, updates it, and (for a param whose columns are all host-owned)
+        writes the master piece into the param at once, so no full-size staging buffer is
+        needed and each piece is copied while it is in cache. Otherwise the job first copies
+        every source into a per-param staging buffer, so the sources (device accumulators,
+        or a ``.grad``) are free again early, while the host computes.
+        """
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
-        copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
+        stage: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
+        stored: list[torch.Tensor] = []  # params whose copy-out the job does
+        devices: set[torch.device] = set()
         scale = self.config.effective_host_lr_scale
+        queue = None  # the job's CopyQueue, made below once the devices are known
+
+        def piece_load(flat: torch.Tensor, zero: bool):
+            def load(s: int, e: int, out: torch.Tensor) -> None:
+                queue.copy(out, flat[s:e])
+                if zero:
+                    queue.zero_(flat[s:e])
+            return load
+
+        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor):
+            def store(s: int, e: int) -> None:
+                queue.copy(param_flat[s:e], master_flat[s:e])
+            return store
+
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -333,50 +361,66 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 if not st or st["kind"] != MATRIX or st["acc_count"] == 0:
                     continue
                 acc, count = st["acc"], st["acc_count"]
-                # The host buffer handed to the job: a per-param staging buffer, reused every
-                # window (the previous job has been waited for: launch follows _drain). The
-                # job itself copies the window's gradient into it (copy-in), so the training
-                # loop goes on while the bytes cross the link.
+                load = store = None
                 if p in self._direct:  # in the grad's dtype over the link, fp32 on the host
-                    src = self._host_columns(*self._direct.pop(p))
-                    grad = self._staging_for(p, src.shape)
-                    copies.append((grad, src, False))
+                    src, zero_src = self._host_columns(*self._direct.pop(p)), False
                 elif self.config.accumulate_on == "device":  # fp32 window sum, once a window
-                    grad = self._staging_for(p, acc.shape)
-                    copies.append((grad, acc, True))  # the job zeroes it after the copy
+                    src, zero_src = acc, True  # the job zeroes it after the copy
                 else:  # host accumulator: the job takes it, the spare becomes the accumulator
+                    src = None
                     grad = acc
                     st["acc"] = self._staging_for(p, acc.shape).zero_()
                     self._staging[p] = acc
+                if src is not None:
+                    devices.add(src.device)
+                    self.link.count_d2h(src.numel() * src.element_size())  # at launch: stats()
+                    if apply_now:                                           # never races the job
+                        grad, load = None, piece_load(src.reshape(-1), zero_src)
+                    else:
+                        grad = self._staging_for(p, src.shape)
+                        stage.append((grad, src, zero_src))
+                if apply_now and st["host_idx"].numel() == view2d(p).shape[1]:
+                    devices.add(p.device)
+                    self.link.count_h2d(p.numel() * p.element_size())
+                    store = piece_store(p.detach().view(-1), st["host_master"].view(-1))
+                    stored.append(p)
                 st["acc_count"] = 0
                 st["host_step"] += 1
                 st["host_pending"] = True
                 hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
                                   eps=group["eps"], weight_decay=group["weight_decay"],
                                   step=st["host_step"], grad_divisor=float(count))
-                tasks.append((st["host_master"], grad, st["host_m"], st["host_v"], hyper))
+                io = PieceIO(load, store) if load or store else None
+                tasks.append((st["host_master"], grad, st["host_m"], st["host_v"], hyper)
+                             + ((io,) if io else ()))
         if not tasks:
             return
-        adamw, link = self._host_adamw, self.link
+        adamw = self._host_adamw
+        queue = self.link.copy_queue(devices, self.config.host_timeout)
         copied_in = threading.Event()
-        direct = any(not zero_src for _, _, zero_src in copies)
 
         def run() -> None:
-            try:  # copy-in first: device -> host staging; then the sources are free again
-                for dst, src, zero_src in copies:
-                    link.copy_into(dst, src)
+            try:  # copy-in first (staged jobs): device -> host staging, then the sources are
+                for dst, src, zero_src in stage:  # free again
+                    queue.copy(dst, src)
                     if zero_src:
-                        src.zero_()
+                        queue.zero_(src)
+                queue.flush()
+            finally:
+                if stage:
+                    copied_in.set()
+            try:
+                adamw.update_many(tasks)  # every param of the window in one pool dispatch
+                queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
             finally:
                 copied_in.set()
-            adamw.update_many(tasks)  # every param of the window in one pool dispatch
 
-        for _, src, _ in copies:  # counted here, at launch: stats() never races the job
-            link.count_d2h(src.numel() * src.element_size())
         self._counters["host_updates"] += 1
         self._inflight = self._worker.submit(run, f"host AdamW of step {self._global_step}")
         self._copy_in = copied_in
-        if direct:  # a param's own .grad: the caller may overwrite it once step() returns
+        self._stored_by_job = stored
+        if any(not zero_src for _, src, zero_src in stage):
+            # A param's own .grad: the caller may overwrite it once step() returns.
             self._wait_copy_in()
 
     def _wait_copy_in(self) -> None:
@@ -408,6 +452,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _drain(self) -> None:
         """Wait for host work in flight, then write every pending host result into its param."""
         self._wait_inflight()
+        for p in self._stored_by_job:  # the job wrote these params itself
+            self.state[p]["host_pending"] = False
+        self._stored_by_job = []
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)
@@ -455,6 +502,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     bytes_device_to_host=self.link.bytes_d2h,
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=dev_elems / total if total else 0.0,
+                    host_staging_bytes=sum(b.numel() * b.element_size()
+                                           for b in self._staging.values())
+                    + self._host_adamw.scratch_bytes(),
                     host_inflight=self._inflight is not None, **self._counters)
 
     def close(self) -> None:

@@ -4,13 +4,20 @@ Host memory is pinned where CUDA exists (``pin_memory=True`` raises on a CPU-onl
 On a CPU-only run "device" and host are the same memory, but the copies are still made
 (the host works on its own buffers while the training loop goes on) and counted as the bytes
 that would cross the link.
+
+The host job's own copies go through a :class:`CopyQueue` (see there): on CUDA a dedicated
+copy stream per device, ordered after the work queued before the job was launched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 
 import torch
+
+_POLL_S = 1e-4
 
 
 def host_can_pin() -> bool:
@@ -40,6 +47,7 @@ class Link:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._streams: dict[torch.device, object] = {}
         self.bytes_d2h = 0
         self.bytes_h2d = 0
 
@@ -56,14 +64,6 @@ class Link:
         out.copy_(src, non_blocking=False)
         return out if dtype is None or dtype == src.dtype else out.to(dtype)
 
-    @staticmethod
-    def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """Copy a device tensor into the host buffer ``dst`` (cast on the host side), for a
-        transfer counted with :meth:`count_d2h` where it was planned, so byte counts never
-        depend on when a worker thread runs."""
-        dst.copy_(src)
-        return dst
-
     def to_device(self, src: torch.Tensor, device: torch.device,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
         """``src`` on ``device``; cast on the host first when ``dtype`` is given (the link
@@ -78,6 +78,75 @@ class Link:
 
     def count_d2h(self, nbytes: int) -> None:
         self._count(d2h=nbytes)
+
+    def count_h2d(self, nbytes: int) -> None:
+        self._count(h2d=nbytes)
+
+    def copy_queue(self, devices, timeout: float) -> "CopyQueue":
+        """A :class:`CopyQueue` for one host job touching ``devices``; call it on the thread
+        that queued the work the job's copies depend on (the training loop), at launch."""
+        return CopyQueue(self, devices, timeout)
+
+    def _stream(self, device: torch.device):
+        """This link's copy stream on a CUDA ``device`` (created once, then reused)."""
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device=device)
+            return self._streams[device]
+
+
+class CopyQueue:
+    """The device copies of one host job, ordered after what was queued before its launch.
+
+    Ordering invariant (CUDA): created on the launching thread, it records an event on each
+    device's current stream and makes the link's copy stream of that device wait for it. So
+    a copy reads a gradient only after the kernels that wrote it, and writes a param only
+    after the kernels queued before the launch that use it; and it never waits for kernels
+    the training loop queues later (as a copy on the default stream would). Each copy blocks
+    the calling host thread until it is done (host buffers are pinned, so these are DMA
+    transfers); an async device-side op (``zero_``) is complete after :meth:`flush`. Every
+    wait polls with ``timeout``. On CPU every method is a plain synchronous op.
+    """
+
+    def __init__(self, link: Link, devices, timeout: float) -> None:
+        self.timeout = float(timeout)
+        self._streams: dict[torch.device, object] = {}
+        for dev in {torch.device(d) for d in devices}:
+            if dev.type != "cuda":
+                continue
+            dev = torch.device("cuda", dev.index if dev.index is not None
+                               else torch.cuda.current_device())
+            stream = link._stream(dev)
+            stream.wait_event(torch.cuda.current_stream(dev).record_event())
+            self._streams[dev] = stream
+
+    def _on(self, *tensors: torch.Tensor):
+        for t in tensors:
+            if t.device.type == "cuda":
+                return torch.cuda.stream(self._streams[t.device])
+        return contextlib.nullcontext()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` (with a cast), done when it returns."""
+        with self._on(dst, src):
+            dst.copy_(src)
+            if dst.device.type == "cuda" and src.device.type == "cuda":
+                self.flush()  # device to device: make it done, like the others
+
+    def zero_(self, t: torch.Tensor) -> None:
+        """``t.zero_()``, in order after this queue's earlier copies; done after flush()."""
+        with self._on(t):
+            t.zero_()
+
+    def flush(self) -> None:
+        """Wait until everything queued on the copy streams so far is done (bounded)."""
+        for stream in self._streams.values():
+            event = stream.record_event()
+            deadline = time.monotonic() + self.timeout
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"device copies did not finish within {self.timeout} s")
+                time.sleep(_POLL_S)
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,17 @@ of ``ALIGN`` = 64 elements of its tensor (256 bytes, a multiple of every vector 
 element is then in the vector body or the scalar tail the same way whatever the split, and
 the runs are bit-identical.
 
+Pipeline: a task may bring its gradient and take its result piece by piece (``PieceIO``).
+A worker then copies the gradient piece into its own scratch buffer (reused, at most one
+batch of pieces: ``chunk_size`` bounds it), runs the kernel on it while the piece is still in
+cache, and copies the master piece out at once. With several workers, one copies while
+another computes, so copy-in of one piece, compute on another and copy-out of a third
+overlap; no full-size staging buffer is needed.
+
 Ordering: the pieces of one ``update_many`` call touch disjoint slices, so they may run in
-any order on any worker; ``update_many`` returns only when all of them finished (or raises).
-Every wait is bounded by ``timeout``.
+any order on any worker; a piece's ``load`` runs before its kernel call and its ``store``
+after it, on the same worker. ``update_many`` returns only when all of them finished (or
+raises). Every wait is bounded by ``timeout``.
 """
 
 from __future__ import annotations
@@ -34,12 +42,13 @@ import time
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .. import adamw_math
 from ..adamw_math import adamw_
+from ..transfer import host_empty
 
 ALIGN = 64
 """Pieces start at multiples of this many elements (see the module docstring)."""
@@ -50,6 +59,11 @@ MIN_PIECE = 1 << 16
 elements: a kernel call costs some microseconds of dispatch."""
 
 PIECES_PER_THREAD = 4
+
+STREAM_PIECE = 1 << 18
+"""Most elements of a piece whose gradient a ``PieceIO.load`` brings: the worker's scratch
+(1 MiB) then stays in its core's cache between the copy and the kernel, so the copy costs
+about one extra read instead of a round trip through memory."""
 
 _POLL_S = 0.1
 TIMEOUT_GRACE_S = 0.25
@@ -73,7 +87,22 @@ class HostHyper:
     grad_divisor: float = 1.0
 
 
-Task = tuple  # (master, grad, m, v, HostHyper)
+@dataclass(frozen=True)
+class PieceIO:
+    """Copies a task does piece by piece on the worker, around the kernel call.
+
+    ``load(start, end, out)``: write the task's gradient elements ``[start, end)`` into
+    ``out`` (fp32, contiguous, on the CPU, ``end - start`` elements; the worker's scratch).
+    The task's own ``grad`` is then None: the gradient never exists whole on the host.
+    ``store(start, end)``: ``master[start:end]`` holds its new value; copy it out.
+    Either may be None. Both run on a pool worker, so they must only touch their slice.
+    """
+
+    load: Callable[[int, int, torch.Tensor], None] | None = None
+    store: Callable[[int, int], None] | None = None
+
+
+Task = tuple  # (master, grad, m, v, HostHyper) or (master, grad, m, v, HostHyper, PieceIO)
 
 
 class HostAdamWError(RuntimeError):
@@ -169,6 +198,7 @@ class _Pool:
 
     def __init__(self, n: int, name: str, cores: "Sequence[int] | None" = None) -> None:
         self._queue: "queue.SimpleQueue[tuple | None]" = queue.SimpleQueue()
+        self.local = threading.local()  # per worker: its scratch buffer
         self.single_threaded = [False] * n
         self.cores = tuple(cores) if cores else None
         self.pinned = [False] * n
@@ -284,6 +314,8 @@ class HostAdamW:
             raise RuntimeError("torch._fused_adamw_ is not usable on CPU in this torch "
                                f"{torch.__version__}; use kernel='reference'")
         self.kernel = kernel
+        self._scratch_lock = threading.Lock()
+        self._scratch_bytes = 0
         self._pool: _Pool | None = _Pool(threads, "zenflow-host-adamw", cores)
 
     @property
@@ -300,23 +332,31 @@ class HostAdamW:
 
     def update_many(self, tasks: Sequence[Task]) -> None:
         """AdamW steps on many sets of buffers at once, in place: ``tasks`` is a sequence of
-        ``(master, grad, m, v, hyper)``; each four tensors are fp32, on the CPU, contiguous,
-        of one number of elements (``grad`` may be overwritten). The pieces of all tasks go to
-        the pool together. Returns when every piece is done. A piece that raises: the others
-        are cancelled or finish, then its exception is re-raised (same type, a note naming the
-        task and slice). TimeoutError after ``timeout`` (+ TIMEOUT_GRACE_S) seconds."""
+        ``(master, grad, m, v, hyper)`` or ``(master, grad, m, v, hyper, io)``; each tensor is
+        fp32, on the CPU, contiguous, of one number of elements (``grad`` may be overwritten;
+        it is None when ``io.load`` brings the gradient, see :class:`PieceIO`). The pieces of
+        all tasks go to the pool together. Returns when every piece is done. A piece that
+        raises: the others are cancelled or finish, then its exception is re-raised (same
+        type, a note naming the task and slice). TimeoutError after ``timeout`` (+
+        TIMEOUT_GRACE_S) seconds."""
         pool = self._pool
         if pool is None:
             raise RuntimeError("this HostAdamW is closed")
         flats = [self._check(i, t) for i, t in enumerate(tasks)]
-        batches = self._plan(flats, [t[4] for t in tasks])
+        ios = [t[5] if len(t) == 6 else None for t in tasks]
+        batches = self._plan(flats, [t[4] for t in tasks],
+                             [io is not None and io.load is not None for io in ios])
         if not batches:
             return
         if not pool.alive():
             raise HostAdamWError("a host AdamW worker thread is dead")
         steps = [t[4].step for t in tasks]
-        futures = [pool.submit(self._run_batch, flats, steps, b) for b in batches]
+        futures = [pool.submit(self._run_batch, flats, ios, steps, b) for b in batches]
         self._wait(pool, futures, batches)
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the workers' scratch buffers (the bounded staging of piece-wise loads)."""
+        return self._scratch_bytes
 
     def close(self) -> None:
         """Stop the workers after the work in flight; idempotent, bounded by ``timeout``."""
@@ -332,17 +372,26 @@ class HostAdamW:
 
     # ------------------------------------------------------------------ internals
     @staticmethod
-    def _check(i: int, task) -> list[torch.Tensor]:
-        if len(task) != 5:
-            raise ValueError(f"task {i}: expected (master, grad, m, v, hyper), got "
+    def _check(i: int, task) -> list[torch.Tensor | None]:
+        if len(task) not in (5, 6):
+            raise ValueError(f"task {i}: expected (master, grad, m, v, hyper[, io]), got "
                              f"{len(task)} items")
-        *ts, hyper = task
+        ts, hyper = list(task[:4]), task[4]
+        io = task[5] if len(task) == 6 else None
         if not isinstance(hyper, HostHyper):
             raise TypeError(f"task {i}: hyper must be a HostHyper, got {type(hyper).__name__}")
         if not isinstance(hyper.step, int) or hyper.step < 1:
             raise ValueError(f"task {i}: Adam step must be an int >= 1, got {hyper.step!r}")
+        if io is not None and not isinstance(io, PieceIO):
+            raise TypeError(f"task {i}: io must be a PieceIO, got {type(io).__name__}")
+        loads = io is not None and io.load is not None
+        if loads != (ts[1] is None):
+            raise ValueError(f"task {i}: give grad=None exactly when io.load brings the "
+                             "gradient")
         n = ts[0].numel()
         for name, t in zip(("master", "grad", "m", "v"), ts):
+            if t is None:
+                continue
             if t.dtype != torch.float32 or t.device.type != "cpu":
                 raise TypeError(f"task {i}: {name} must be fp32 on the CPU, got {t.dtype} on "
                                 f"{t.device}")
@@ -350,15 +399,16 @@ class HostAdamW:
                 raise ValueError(f"task {i}: {name} must be contiguous")
             if t.numel() != n:
                 raise ValueError(f"task {i}: {name} has {t.numel()} elements, master has {n}")
-        return [t.view(-1) for t in ts]
+        return [None if t is None else t.view(-1) for t in ts]
 
-    def _plan(self, flats, hypers) -> list[tuple]:
+    def _plan(self, flats, hypers, loads) -> list[tuple]:
         """Split the tasks into pieces and pack them into batches (one kernel call each).
 
         A piece is ``(task, start, end)`` with ``start`` a multiple of ALIGN; a batch holds
         pieces whose hyperparameters (all but the step, which the kernel takes per tensor)
         agree, up to ``capacity`` elements, so many small tensors (or tiny pieces) share one
-        call; each piece is its own tensor in the call, so the split stays as planned."""
+        call; each piece is its own tensor in the call, so the split stays as planned. A task
+        whose gradient is loaded piece by piece gets pieces of at most STREAM_PIECE."""
         total = sum(f[0].numel() for f in flats)
         if total == 0:
             return []
@@ -368,27 +418,57 @@ class HostAdamW:
         capacity = max(piece, min(MIN_PIECE, want))
         batches: list[tuple] = []
         open_batch: dict[tuple, list] = {}  # key -> [pieces, elements]
-        for ti, (f, h) in enumerate(zip(flats, hypers)):
+        for ti, (f, h, load) in enumerate(zip(flats, hypers, loads)):
             n = f[0].numel()
-            key = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.grad_divisor)
-            for s in range(0, n, piece):
-                e = min(s + piece, n)
+            key = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.grad_divisor, load)
+            step = min(piece, STREAM_PIECE) if load else piece
+            cap = min(capacity, STREAM_PIECE) if load else capacity  # >= step
+            for s in range(0, n, step):
+                e = min(s + step, n)
                 cur = open_batch.get(key)
-                if cur is None or cur[1] + (e - s) > capacity:
+                if cur is None or cur[1] + (e - s) > cap:
                     cur = open_batch[key] = [[], 0]
                     batches.append((h, cur[0]))
                 cur[0].append((ti, s, e))
                 cur[1] += e - s
         return batches
 
-    def _run_batch(self, flats, steps, batch) -> None:
+    def _run_batch(self, flats, ios, steps, batch) -> None:
         hyper, pieces = batch
         lists: list[list[torch.Tensor]] = [[], [], [], []]
+        need = sum(-(-(e - s) // ALIGN) * ALIGN for ti, s, e in pieces
+                   if ios[ti] is not None and ios[ti].load is not None)
+        scratch = self._scratch(need) if need else None
+        off = 0
         for ti, s, e in pieces:
-            for out, t in zip(lists, flats[ti]):
-                out.append(t[s:e])
+            master, grad, m, v = flats[ti]
+            io = ios[ti]
+            if io is not None and io.load is not None:
+                grad = scratch[off:off + (e - s)]  # pieces start ALIGN-aligned in the scratch
+                off += -(-(e - s) // ALIGN) * ALIGN
+                io.load(s, e, grad)
+            else:
+                grad = grad[s:e]
+            for out, t in zip(lists, (master[s:e], grad, m[s:e], v[s:e])):
+                out.append(t)
         call = _fused_call if self.kernel == "fused" else _reference_call
         call(lists, [steps[ti] for ti, _, _ in pieces], hyper)
+        for ti, s, e in pieces:
+            io = ios[ti]
+            if io is not None and io.store is not None:
+                io.store(s, e)
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        """This worker's scratch buffer of at least ``n`` fp32 elements (pinned where CUDA
+        exists), kept for the next batch; at most one batch's worth (``_plan`` bounds it)."""
+        local = self._pool.local
+        buf = getattr(local, "scratch", None)
+        if buf is None or buf.numel() < n:
+            old = 0 if buf is None else buf.numel() * 4
+            local.scratch = buf = host_empty((n,))
+            with self._scratch_lock:
+                self._scratch_bytes += n * 4 - old
+        return buf
 
     def _wait(self, pool: _Pool, futures: list[Future], batches) -> None:
         # TIMEOUT_GRACE: a caller that waits for this call with the same timeout (the
