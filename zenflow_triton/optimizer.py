@@ -23,7 +23,8 @@ accumulators, or a single-step window's own ``.grad``) until its copy-in is done
 (``_wait_copy_in``): the next accumulation waits for that, and a ``.grad`` source is waited
 for before ``step()`` returns. A job whose result applies at once (overlap=False, warm-up)
 is waited for in the same step, so it may also write the params whose columns are all
-host-owned (``_stored_by_job``); everything else (the other params, the device state)
+host-owned (``_stored_by_job``); a deferred job owns its params' outboxes until waited
+for (``_job_outbox``); everything else (the other params, the device state)
 belongs to the main thread. The job's device copies go through a ``transfer.CopyQueue``:
 on CUDA a copy stream ordered after what the main thread queued before the launch.
 """
@@ -106,6 +107,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._staging: dict[torch.Tensor, torch.Tensor] = {}
         self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stored_by_job: list[torch.Tensor] = []
+        # Per-param host buffers in the param's dtype (pinned where CUDA exists) that a
+        # deferred job fills with its result piece by piece; the apply copies them as they are.
+        self._outbox: dict[torch.Tensor, torch.Tensor] = {}
+        self._job_outbox: dict[torch.Tensor, torch.Tensor] = {}
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -316,6 +321,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             buf = self._staging[p] = host_empty(shape)
         return buf
 
+    def _outbox_for(self, p: torch.Tensor, shape) -> torch.Tensor:
+        buf = self._outbox.get(p)
+        if buf is None or buf.shape != torch.Size(shape):
+            buf = self._outbox[p] = host_empty(shape, p.dtype)
+        return buf
+
     def _host_columns(self, g2d: torch.Tensor, host_idx: torch.Tensor) -> torch.Tensor:
         """g2d[:, host_idx], without a gather when every column is host-owned."""
         if host_idx.numel() == g2d.shape[1]:
@@ -332,12 +343,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         writes the master piece into the param at once, so no full-size staging buffer is
         needed and each piece is copied while it is in cache. Otherwise the job first copies
         every source into a per-param staging buffer, so the sources (device accumulators,
-        or a ``.grad``) are free again early, while the host computes.
+        or a ``.grad``) are free again early, while the host computes; and where the apply
+        needs the result in another dtype or on a CUDA device, each updated master piece is
+        cast into a per-param outbox (host, the param's dtype, pinned) while it is in cache,
+        so the apply is one plain copy.
         """
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
         stage: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
         stored: list[torch.Tensor] = []  # params whose copy-out the job does
+        outboxes: dict[torch.Tensor, torch.Tensor] = {}
         devices: set[torch.device] = set()
         scale = self.config.effective_host_lr_scale
         queue = None  # the job's CopyQueue, made below once the devices are known
@@ -384,6 +399,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     self.link.count_h2d(p.numel() * p.element_size())
                     store = piece_store(p.detach().view(-1), st["host_master"].view(-1))
                     stored.append(p)
+                elif not apply_now and (p.device.type == "cuda" or p.dtype != torch.float32):
+                    box = outboxes[p] = self._outbox_for(p, st["host_master"].shape)
+                    store = piece_store(box.view(-1), st["host_master"].view(-1))
                 st["acc_count"] = 0
                 st["host_step"] += 1
                 st["host_pending"] = True
@@ -419,6 +437,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._inflight = self._worker.submit(run, f"host AdamW of step {self._global_step}")
         self._copy_in = copied_in
         self._stored_by_job = stored
+        self._job_outbox = outboxes
         if any(not zero_src for _, src, zero_src in stage):
             # A param's own .grad: the caller may overwrite it once step() returns.
             self._wait_copy_in()
@@ -455,13 +474,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         for p in self._stored_by_job:  # the job wrote these params itself
             self.state[p]["host_pending"] = False
         self._stored_by_job = []
+        outboxes, self._job_outbox = self._job_outbox, {}
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and st.get("host_pending"):
-                    self.ops.scatter_columns(
-                        view2d(p.detach()), self._host_idx_on_device(p, st),
-                        self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
+                    box = outboxes.get(p)  # the job's result, already in p's dtype
+                    src = (self.link.to_device(box, p.device) if box is not None else
+                           self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
+                    self.ops.scatter_columns(view2d(p.detach()),
+                                             self._host_idx_on_device(p, st), src)
                     st["host_pending"] = False
 
     # ------------------------------------------------------------------ public helpers
@@ -503,7 +525,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=dev_elems / total if total else 0.0,
                     host_staging_bytes=sum(b.numel() * b.element_size()
-                                           for b in self._staging.values())
+                                           for d in (self._staging, self._outbox)
+                                           for b in d.values())
                     + self._host_adamw.scratch_bytes(),
                     host_inflight=self._inflight is not None, **self._counters)
 
