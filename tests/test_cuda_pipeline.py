@@ -1,0 +1,84 @@
+"""The host job's device copies on CUDA: ordered after what was queued before the launch,
+never behind what the training loop queues later; and the optimizer on CUDA params following
+the same run on the CPU. Skipped without a GPU (bench/gpu_check.sh runs them); the CPU runs
+of the same logic (synchronous copies) are in test_equivalence and test_stress."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from zenflow_triton import ZenFlowOptimizer
+from zenflow_triton.transfer import Link, host_empty
+
+from .helpers import make_model, param_groups
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SLEEP_CYCLES = int(2e9)  # torch.cuda._sleep: about a second of GPU time at ~2 GHz
+
+
+def test_copy_waits_for_work_queued_before_the_launch():
+    dev = torch.device("cuda")
+    n = 1 << 20
+    src = torch.zeros(n, device=dev)
+    dst = host_empty((n,))  # pinned allocation may synchronize: before the queued work
+    link = Link()
+    link.copy_queue([dev], timeout=60.0)  # creates the copy stream
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES // 10)  # the training loop's kernels, still running...
+    src.fill_(1.0)  # ...and the gradient they produce, queued behind them
+    queue = link.copy_queue([dev], timeout=60.0)
+    queue.copy(dst, src)
+    assert bool((dst == 1.0).all()), "the copy read the gradient before it was written"
+
+
+def test_copy_does_not_wait_for_work_queued_after_the_launch():
+    dev = torch.device("cuda")
+    n = 1 << 20
+    src = torch.ones(n, device=dev)
+    dst = host_empty((n,))
+    torch.cuda.synchronize()
+    queue = Link().copy_queue([dev], timeout=60.0)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the next step's kernels, queued after the launch
+    queue.copy(dst, src)
+    t0 = time.perf_counter()
+    torch.cuda.synchronize()
+    still_busy = time.perf_counter() - t0
+    assert bool((dst == 1.0).all())
+    assert still_busy > 0.05, "the copy waited for kernels queued after the launch"
+
+
+def _run(device, dtype, steps=12, **cfg):
+    model = make_model(dtype=dtype).to(device)
+    g = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(p.shape, generator=g) * 1e-2 for p in model.parameters()]
+             for _ in range(steps)]
+    with ZenFlowOptimizer(param_groups(model), backend="torch", min_offload_numel=64,
+                          host_threads=2, chunk_size=97, **cfg) as opt:
+        for step_grads in grads:
+            for p, gr in zip(model.parameters(), step_grads):
+                p.grad = gr.to(device=device, dtype=dtype)
+            opt.step()
+        opt.synchronize()
+        stats = opt.stats()
+    return [p.detach().float().cpu() for p in model.parameters()], stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [
+    dict(topk_ratio=0.0, update_interval=1, overlap=False),  # streamed, the job stores
+    dict(topk_ratio=0.2, update_interval=3, select_interval=6, overlap=True),  # staged
+    dict(topk_ratio=0.2, update_interval=2, select_interval=4, overlap=True,
+         accumulate_on="host"),
+], ids=["zero-offload", "overlap", "host-acc"])
+def test_cuda_params_follow_the_cpu_run(cfg, dtype):
+    got, got_stats = _run("cuda", dtype, **cfg)
+    want, want_stats = _run("cpu", dtype, **cfg)
+    tol = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    for key in ("bytes_device_to_host", "bytes_host_to_device", "host_updates"):
+        assert got_stats[key] == want_stats[key], key
