@@ -169,3 +169,31 @@ def test_synchronous_host_job_streams_without_full_size_staging():
     streamed = staging(update_interval=1, overlap=False)
     assert 0 < streamed <= 2 * 4 * (max(4096, MIN_PIECE) + 16 * ALIGN) < matrix_bytes
     assert staging(update_interval=2, overlap=True) >= matrix_bytes
+
+
+def test_script_ending_with_host_work_in_flight_exits_cleanly(tmp_path):
+    """No close(), a host job still running when the script ends: the process must exit 0
+    (without the atexit close it aborted: 'terminate called without an active exception')."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "ends_in_flight.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from zenflow_triton import ZenFlowOptimizer
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(5)])
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt = ZenFlowOptimizer(model.parameters(), lr=1e-4, topk_ratio=0.1,
+                               update_interval=4, overlap=True)
+        for _ in range(4):
+            opt.step()
+        print("in flight:", opt.stats()["host_inflight"])
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300)
+    assert "in flight: True" in run.stdout  # the case under test did happen
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "terminate called" not in run.stderr

@@ -31,8 +31,10 @@ on CUDA a copy stream ordered after what the main thread queued before the launc
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -50,6 +52,21 @@ _SD_VERSION = 1
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient holds NaN or inf; raised by step() before any state changes."""
+
+
+_OPEN: "weakref.WeakSet[ZenFlowOptimizer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_optimizers() -> None:
+    """A script that ends without close() while a host job is in flight would otherwise abort
+    the process at exit (a worker thread still inside a torch kernel while the runtime tears
+    down). atexit runs before that: wait for the work (bounded) and stop the threads."""
+    for opt in list(_OPEN):
+        try:
+            opt.close()
+        except Exception:  # never turn a clean exit into an error
+            pass
 
 
 class ZenFlowOptimizer(torch.optim.Optimizer):
@@ -114,6 +131,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._training = True
         self._global_step = 0
+        _OPEN.add(self)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0,
                               host_wait_seconds=0.0, host_busy_seconds=0.0)
 

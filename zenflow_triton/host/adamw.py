@@ -37,9 +37,11 @@ import functools
 import math
 import os
 import queue
+import atexit
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -280,6 +282,19 @@ def _reference_call(lists, steps: Sequence[int], h: HostHyper) -> None:
 
 # ---------------------------------------------------------------------------- HostAdamW
 
+_OPEN: "weakref.WeakSet[HostAdamW]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    """Let pieces in flight finish before the interpreter tears down (see close())."""
+    for adamw in list(_OPEN):
+        try:
+            adamw.close()
+        except Exception:
+            pass
+
+
 class HostAdamW:
     """AdamW on (master, grad, m, v) fp32 CPU buffers with a pool of ``threads`` workers.
 
@@ -317,6 +332,7 @@ class HostAdamW:
         self._scratch_lock = threading.Lock()
         self._scratch_bytes = 0
         self._pool: _Pool | None = _Pool(threads, "zenflow-host-adamw", cores)
+        _OPEN.add(self)
 
     @property
     def workers_single_threaded(self) -> bool:
