@@ -18,6 +18,8 @@ import time
 import torch
 
 _POLL_S = 1e-4
+BOUNCE_ELEMS = 1 << 20
+"""Elements per trip through a bounce buffer (see :meth:`CopyQueue.copy`)."""
 
 
 def host_can_pin() -> bool:
@@ -48,6 +50,7 @@ class Link:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._streams: dict[torch.device, object] = {}
+        self._local = threading.local()  # per thread: its bounce buffers, by dtype
         self.bytes_d2h = 0
         self.bytes_h2d = 0
 
@@ -87,6 +90,15 @@ class Link:
         that queued the work the job's copies depend on (the training loop), at launch."""
         return CopyQueue(self, devices, timeout)
 
+    def _bounce(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """The calling thread's host buffer of ``n`` elements of ``dtype`` (pinned where CUDA
+        exists), reused across calls."""
+        bufs = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = bufs[dtype] = host_empty((max(n, 1),), dtype)
+        return buf[:n]
+
     def _stream(self, device: torch.device):
         """This link's copy stream on a CUDA ``device`` (created once, then reused)."""
         with self._lock:
@@ -110,6 +122,7 @@ class CopyQueue:
 
     def __init__(self, link: Link, devices, timeout: float) -> None:
         self.timeout = float(timeout)
+        self._link = link
         self._streams: dict[torch.device, object] = {}
         for dev in {torch.device(d) for d in devices}:
             if dev.type != "cuda":
@@ -127,11 +140,36 @@ class CopyQueue:
         return contextlib.nullcontext()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` (with a cast), done when it returns."""
+        """``dst.copy_(src)`` (with a cast), done when it returns. Across the link with a
+        cast, the link carries the device side's dtype and the host casts (a bf16 gradient
+        crosses as bf16, a bf16 param's update is cast from the fp32 master before it
+        crosses): see :meth:`copy_cast_on_host`."""
         with self._on(dst, src):
+            if dst.device.type != src.device.type and dst.dtype != src.dtype:
+                self.copy_cast_on_host(dst, src)
+                return
             dst.copy_(src)
             if dst.device.type == "cuda" and src.device.type == "cuda":
                 self.flush()  # device to device: make it done, like the others
+
+    def copy_cast_on_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` through the calling thread's pinned bounce buffer in the device
+        side's dtype, ``BOUNCE_ELEMS`` at a time: one same-dtype transfer and one host cast
+        per trip. (A plain blocking ``copy_`` would cast on the destination: an H2D copy
+        would then carry fp32, and a D2H copy would land in unpinned memory.) ``dst`` must
+        be contiguous."""
+        if not dst.is_contiguous():
+            raise ValueError("copy_cast_on_host needs a contiguous destination")
+        if dst.shape != src.shape:
+            raise ValueError(f"shape mismatch: dst {tuple(dst.shape)}, src {tuple(src.shape)}")
+        wire = src.dtype if src.device.type != "cpu" else dst.dtype
+        d, s = dst.view(-1), src.reshape(-1)
+        n = d.numel()
+        for a in range(0, n, BOUNCE_ELEMS):
+            b = min(a + BOUNCE_ELEMS, n)
+            bounce = self._link._bounce(wire, b - a)
+            bounce.copy_(s[a:b])  # D2H: the transfer; H2D: the host cast
+            d[a:b].copy_(bounce)  # D2H: the host cast; H2D: the transfer
 
     def zero_(self, t: torch.Tensor) -> None:
         """``t.zero_()``, in order after this queue's earlier copies; done after flush()."""

@@ -261,10 +261,13 @@ def _fused_available() -> bool:
         return False
 
 
-def _fused_call(lists, steps: Sequence[int], h: HostHyper) -> None:
+def _fused_call(lists, steps: Sequence, h: HostHyper) -> None:
+    """``steps``: per tensor, its Adam step as an int or a 0-d float tensor."""
     params, grads, ms, vs = lists
-    cache: dict[int, torch.Tensor] = {}
-    state_steps = [cache.setdefault(s, torch.tensor(float(s))) for s in steps]
+    made: dict[int, torch.Tensor] = {}
+    state_steps = [s if isinstance(s, torch.Tensor) else
+                   made[s] if s in made else made.setdefault(s, torch.tensor(float(s)))
+                   for s in steps]
     scale = None if h.grad_divisor == 1.0 else torch.tensor(float(h.grad_divisor))
     torch._fused_adamw_(params, grads, ms, vs, [], state_steps, lr=float(h.lr),
                         beta1=float(h.beta1), beta2=float(h.beta2),
@@ -272,12 +275,12 @@ def _fused_call(lists, steps: Sequence[int], h: HostHyper) -> None:
                         maximize=False, grad_scale=scale, found_inf=None)
 
 
-def _reference_call(lists, steps: Sequence[int], h: HostHyper) -> None:
+def _reference_call(lists, steps: Sequence, h: HostHyper) -> None:
     for p, g, m, v, s in zip(*lists, steps):
         if h.grad_divisor != 1.0:
             g.div_(h.grad_divisor)
         adamw_(p, g, m, v, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-               weight_decay=h.weight_decay, step=s)
+               weight_decay=h.weight_decay, step=int(s))
 
 
 # ---------------------------------------------------------------------------- HostAdamW
@@ -366,7 +369,11 @@ class HostAdamW:
             return
         if not pool.alive():
             raise HostAdamWError("a host AdamW worker thread is dead")
-        steps = [t[4].step for t in tasks]
+        # Step counts as the 0-d tensors the fused kernel takes (it only reads them): made
+        # once per call and shared, not once per piece.
+        made: dict[int, torch.Tensor] = {}
+        steps = [made[t[4].step] if t[4].step in made else
+                 made.setdefault(t[4].step, torch.tensor(float(t[4].step))) for t in tasks]
         futures = [pool.submit(self._run_batch, flats, ios, steps, b) for b in batches]
         self._wait(pool, futures, batches)
 
@@ -408,21 +415,21 @@ class HostAdamW:
         for name, t in zip(("master", "grad", "m", "v"), ts):
             if t is None:
                 continue
-            if t.dtype != torch.float32 or t.device.type != "cpu":
+            if t.dtype != torch.float32 or not t.is_cpu:
                 raise TypeError(f"task {i}: {name} must be fp32 on the CPU, got {t.dtype} on "
                                 f"{t.device}")
             if not t.is_contiguous():
                 raise ValueError(f"task {i}: {name} must be contiguous")
             if t.numel() != n:
                 raise ValueError(f"task {i}: {name} has {t.numel()} elements, master has {n}")
-        return [None if t is None else t.view(-1) for t in ts]
+        return [t if t is None or t.dim() == 1 else t.view(-1) for t in ts]
 
     def _plan(self, flats, hypers, loads) -> list[tuple]:
         """Split the tasks into pieces and pack them into batches (one kernel call each).
 
         A piece is ``(task, start, end)`` with ``start`` a multiple of ALIGN; a batch holds
         pieces whose hyperparameters (all but the step, which the kernel takes per tensor)
-        agree, up to ``capacity`` elements, so many small tensors (or tiny pieces) share one
+        agree, filled to ``capacity`` elements, so many small tensors (or tiny pieces) share one
         call; each piece is its own tensor in the call, so the split stays as planned. A task
         whose gradient is loaded piece by piece gets pieces of at most STREAM_PIECE."""
         total = sum(f[0].numel() for f in flats)
@@ -439,14 +446,20 @@ class HostAdamW:
             key = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.grad_divisor, load)
             step = min(piece, STREAM_PIECE) if load else piece
             cap = min(capacity, STREAM_PIECE) if load else capacity  # >= step
-            for s in range(0, n, step):
-                e = min(s + step, n)
+            s = 0
+            while s < n:
                 cur = open_batch.get(key)
-                if cur is None or cur[1] + (e - s) > cap:
+                if cur is None or cap - cur[1] < ALIGN:
                     cur = open_batch[key] = [[], 0]
                     batches.append((h, cur[0]))
+                room = cap - cur[1]
+                # Fill the batch to its capacity, splitting a tensor at an ALIGN boundary if
+                # need be: batches of equal size keep the workers busy to the end (a batch
+                # closed early left a lone last batch: one idle worker for its whole run).
+                e = min(n, s + step) if n - s <= room else min(s + step, s + room // ALIGN * ALIGN)
                 cur[0].append((ti, s, e))
                 cur[1] += e - s
+                s = e
         return batches
 
     def _run_batch(self, flats, ios, steps, batch) -> None:
@@ -463,10 +476,14 @@ class HostAdamW:
                 grad = scratch[off:off + (e - s)]  # pieces start ALIGN-aligned in the scratch
                 off += -(-(e - s) // ALIGN) * ALIGN
                 io.load(s, e, grad)
+                lists[1].append(grad)
+            elif s == 0 and e == grad.numel():  # a whole tensor: no views to make
+                lists[1].append(grad)
             else:
-                grad = grad[s:e]
-            for out, t in zip(lists, (master[s:e], grad, m[s:e], v[s:e])):
-                out.append(t)
+                lists[1].append(grad[s:e])
+            whole = s == 0 and e == master.numel()
+            for out, t in ((lists[0], master), (lists[2], m), (lists[3], v)):
+                out.append(t if whole else t[s:e])
         call = _fused_call if self.kernel == "fused" else _reference_call
         call(lists, [steps[ti] for ti, _, _ in pieces], hyper)
         for ti, s, e in pieces:
