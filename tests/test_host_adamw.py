@@ -163,7 +163,7 @@ def test_piece_io_streams_the_same_numbers(host, threads, chunk_size):
     by piece, give exactly the plain update; every element is loaded and stored once, and
     each store comes after its piece's kernel call (it sees the new master)."""
     adamw = host(threads=threads, chunk_size=chunk_size)
-    sizes = [5, 64, 70_001, 333, 300_007]  # the last spans several STREAM_PIECE pieces
+    sizes = [5, 64, 70_001, 333, 1_300_007]  # the last spans several STREAM_PIECE pieces
     a = [buffers(n, seed=i) for i, n in enumerate(sizes)]
     b = [[t.clone() for t in bufs] for bufs in a]
     gs = [grads(n, 1, seed=10 + i)[0] for i, n in enumerate(sizes)]
