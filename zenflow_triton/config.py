@@ -48,7 +48,10 @@ class ZenFlowConfig:
     """Steps (>= 0) of synchronous full host updates before the first selection."""
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    """Elements (>= 1) per host chunk: bounds staging memory; chunks pipeline copy and compute."""
+    """Most elements (>= 1) of one host AdamW kernel call per tensor. A window whose result
+    applies at once (overlap=False, warm-up) streams through pieces of at most
+    min(chunk_size, 2^19) elements, so each host worker stages at most that much; results
+    never depend on it (docs/host.md)."""
 
     min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL
     """Matrix params (dim >= 2) with at least this many elements (>= 1) are split by columns;
