@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import statistics
 import time
 
@@ -105,14 +106,22 @@ class _Skip(Exception):
     pass
 
 
-def _make_impl(impl: str, sizes: list[int]):
-    """(step function, closer) for one implementation over fresh tensors of ``sizes``;
-    raises _Skip with the reason where it cannot run here."""
+def _buffers(sizes: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """(param, grad, m, v) per size. Every implementation updates these same buffers: where
+    in physical memory a buffer lands moved the same kernel's time by up to 10% between two
+    copies of the same data on this machine, which separate buffers per implementation would
+    have turned into a bias between them."""
     g = torch.Generator().manual_seed(0)
+    return [(torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3,
+             torch.zeros(n), torch.zeros(n)) for n in sizes]
+
+
+def _make_impl(impl: str, bufs: list[tuple[torch.Tensor, ...]]):
+    """(step function, closer) for one implementation over the shared ``bufs`` (their
+    optimizer state is seeded with the shared moments); raises _Skip with the reason where it
+    cannot run here."""
     kw = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     if impl == "zenflow_host":
-        bufs = [(torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3,
-                 torch.zeros(n), torch.zeros(n)) for n in sizes]
         adamw = HostAdamW(THREADS, CHUNK, 600.0)
         count = [0]
 
@@ -122,9 +131,10 @@ def _make_impl(impl: str, sizes: list[int]):
             adamw.update_many([(p, gr, m, v, h) for p, gr, m, v in bufs])
 
         return step, adamw.close
-    params = [nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    params = []
+    for p, gr, _, _ in bufs:
+        params.append(nn.Parameter(p))  # shares p's storage
+        params[-1].grad = gr
     if impl == "torch_fused":
         opt = torch.optim.AdamW(params, fused=True, **kw)
     elif impl == "torch_foreach":
@@ -138,21 +148,26 @@ def _make_impl(impl: str, sizes: list[int]):
                         f"{str(e).splitlines()[0] if str(e) else ''}") from e
     else:
         raise ValueError(impl)
+    for param, (_, _, m, v) in zip(params, bufs):  # the shared moments as the state
+        step = 0 if impl == "deepspeed_cpu_adam" else torch.tensor(0.0)
+        opt.state[param].update(step=step, exp_avg=m, exp_avg_sq=v)
     return opt.step, lambda: None
 
 
 @pytest.mark.parametrize("case", list(SIZES))
 def test_host_adamw_throughput(benchmark, case):
-    """All implementations on the same sizes, interleaved round by round (the machine's
-    load changes over time; interleaving keeps the ratios fair). pytest-benchmark times
-    ours; the others are timed in ``setup``, which runs before each of its rounds."""
+    """All implementations on the same sizes, interleaved round by round in a shuffled order
+    (the machine's load changes over time, and an implementation measurably ran slower right
+    after certain others; shuffling keeps the ratios fair). pytest-benchmark times whole
+    rounds; each implementation's time inside a round is taken here."""
     sizes = sizes_of(case)
     numel = sum(sizes)
     gc.collect()
     steps, closers, skipped = {}, [], {}
+    bufs = _buffers(sizes)
     for impl in IMPLS:
         try:
-            steps[impl], close = _make_impl(impl, sizes)
+            steps[impl], close = _make_impl(impl, bufs)
             closers.append(close)
         except _Skip as e:
             skipped[impl] = str(e)
@@ -173,29 +188,26 @@ def test_host_adamw_throughput(benchmark, case):
 
     steps["_bandwidth_torch"] = lambda: bw_a.add_(bw_b)
     steps["_bandwidth_pool"] = pool_add
-    times: dict[str, list[float]] = {impl: [] for impl in steps if impl != "zenflow_host"}
+    times: dict[str, list[float]] = {impl: [] for impl in steps}
+    rng = random.Random(0)
 
-    def others():
-        # Every implementation starts from a quiet machine: OpenMP teams (torch's, DeepSpeed's)
-        # spin for a while after a parallel region, which measurably slowed whichever
-        # implementation ran right after them on this 2-core machine (about 15%).
-        for impl in times:
-            time.sleep(QUIET_S)
+    def one_round():
+        order = list(times)
+        rng.shuffle(order)
+        for impl in order:
+            time.sleep(QUIET_S)  # every implementation starts from a quiet machine
             t0 = time.perf_counter()
             steps[impl]()
             times[impl].append(time.perf_counter() - t0)
-        time.sleep(QUIET_S)  # ours runs next
 
     try:
-        others()  # warm-up of the others
+        one_round()  # warm-up
         for t in times.values():
             t.clear()
-        benchmark.pedantic(steps["zenflow_host"], setup=others, rounds=ROUNDS[case],
-                           iterations=1, warmup_rounds=1)
+        benchmark.pedantic(one_round, rounds=ROUNDS[case], iterations=1, warmup_rounds=0)
     finally:
         for close in closers:
             close()
-    times["zenflow_host"] = list(benchmark.stats.stats.data)
     bw = 12 * numel / min(statistics.median(times.pop("_bandwidth_torch")),
                           statistics.median(times.pop("_bandwidth_pool")))
     rates = {impl: numel / statistics.median(t) for impl, t in times.items()}
