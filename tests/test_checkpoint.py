@@ -68,6 +68,35 @@ def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype):
     opt2.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rolling_back_the_same_optimizer_with_work_in_flight(dtype):
+    """load_state_dict into the optimizer that saved it, while a later host job is in flight
+    (a rollback, as after a loss spike): nothing of that later job may leak into the params."""
+    data = batches(30)
+    model = make_model(dtype=dtype)
+    opt, sched = fresh(model)
+    train(model, opt, data, sched)
+    opt.synchronize()
+    want = params_of(model)
+    opt.close()
+
+    model = make_model(dtype=dtype)
+    opt, sched = fresh(model)
+    train(model, opt, data[:13], sched)
+    saved = roundtrip({"model": clone_model(model).state_dict(), "opt": opt.state_dict(),
+                       "sched": sched.state_dict()})
+    train(model, opt, data[13:21], sched)  # a later window's job is in flight now
+    assert opt.stats()["host_inflight"]
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    sched.load_state_dict(saved["sched"])
+    train(model, opt, data[13:], sched)
+    opt.synchronize()
+    for a, b in zip(params_of(model), want):
+        assert torch.equal(a, b)
+    opt.close()
+
+
 def test_state_dict_shows_the_split_and_keeps_index_dtypes():
     model = make_model()
     opt, _ = fresh(model)

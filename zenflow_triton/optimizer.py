@@ -610,6 +610,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
                                  f"params, this optimizer has {len(g['params'])}")
         self._wait_inflight()
+        # What the finished job left for its apply belongs to the state being replaced.
+        self._stored_by_job, self._job_outbox, self._copy_in = [], {}, None
+        self._direct.clear()
         meta = state_dict.get(_SD_KEY, {})
         if meta.get("version", _SD_VERSION) > _SD_VERSION:
             raise ValueError(f"state_dict format version {meta['version']} is newer than this "
