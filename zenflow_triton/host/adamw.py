@@ -19,8 +19,8 @@ the runs are bit-identical.
 
 Pipeline: a task may bring its gradient and take its result piece by piece (``PieceIO``).
 A worker then copies the gradient piece into its own scratch buffer (reused, at most one
-batch of pieces: ``chunk_size`` bounds it), runs the kernel on it while the piece is still in
-cache, and copies the master piece out at once. With several workers, one copies while
+batch of such pieces: ``STREAM_PIECE`` elements, fewer with a small ``chunk_size``), runs the
+kernel on it while the piece is still in cache, and copies the master piece out at once. With several workers, one copies while
 another computes, so copy-in of one piece, compute on another and copy-out of a third
 overlap; no full-size staging buffer is needed.
 
@@ -456,8 +456,7 @@ class HostAdamW:
                     batches.append((h, cur[0]))
                 room = cap - cur[1]
                 # Fill the batch to its capacity, splitting a tensor at an ALIGN boundary if
-                # need be: batches of equal size keep the workers busy to the end (a batch
-                # closed early left a lone last batch: one idle worker for its whole run).
+                # need be: batches of equal size balance the workers.
                 e = min(n, s + step) if n - s <= room else min(s + step, s + room // ALIGN * ALIGN)
                 cur[0].append((ti, s, e))
                 cur[1] += e - s
