@@ -139,6 +139,28 @@ def test_host_exception_surfaces_with_traceback(monkeypatch):
     opt.close()
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(topk_ratio=0.0, update_interval=1, overlap=False),  # streamed: fails inside a piece
+    dict(topk_ratio=0.2, update_interval=2, overlap=True),   # staged: fails in the copy-in
+], ids=["streamed", "staged"])
+def test_failing_copy_surfaces_and_never_hangs(monkeypatch, cfg):
+    from zenflow_triton.transfer import CopyQueue
+
+    model = make_model()
+    opt = ZenFlowOptimizer(model.parameters(), min_offload_numel=64, **cfg)
+
+    def broken(self, dst, src):
+        raise OSError("injected link failure")
+
+    monkeypatch.setattr(CopyQueue, "copy", broken)
+    t0 = time.monotonic()
+    with pytest.raises(HostWorkerError, match="injected link failure"):
+        _steps(model, opt, 2)
+        opt.synchronize()
+    assert time.monotonic() - t0 < 10
+    opt.close()
+
+
 def test_stuck_host_work_times_out(monkeypatch):
     model = make_model()
     opt = ZenFlowOptimizer(model.parameters(), topk_ratio=0.2, update_interval=1,
