@@ -28,44 +28,53 @@ def fresh(model, **cfg):
     return opt, sched
 
 
+def save_all(model, opt, sched):
+    return roundtrip({"model": clone_model(model).state_dict(), "opt": opt.state_dict(),
+                      "sched": sched.state_dict()})
+
+
+def finish_and_compare(model, opt, sched, data, want):
+    """Train ``model`` on ``data``, apply what is pending, and require ``want`` bit for bit."""
+    train(model, opt, data, sched)
+    opt.synchronize()
+    for a, b in zip(params_of(model), want):
+        assert torch.equal(a, b)
+    opt.close()
+
+
+def uninterrupted(data, dtype, **cfg):
+    model = make_model(dtype=dtype)
+    opt, sched = fresh(model, **cfg)
+    train(model, opt, data, sched)
+    opt.synchronize()
+    opt.close()
+    return params_of(model)
+
+
 @pytest.mark.parametrize("accumulate_on", ["device", "host"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype):
     data = batches(30)
-    model = make_model(dtype=dtype)
-    opt, sched = fresh(model, accumulate_on=accumulate_on)
-    train(model, opt, data, sched)
-    opt.synchronize()
-    want = params_of(model)
-    opt.close()
+    want = uninterrupted(data, dtype, accumulate_on=accumulate_on)
 
     model = make_model(dtype=dtype)
     opt, sched = fresh(model, accumulate_on=accumulate_on)
     train(model, opt, data[:13], sched)  # the window that ended at step 12 is in flight
     assert opt.stats()["host_inflight"]
-    saved = roundtrip({"model": clone_model(model).state_dict(), "opt": opt.state_dict(),
-                       "sched": sched.state_dict()})
+    saved = save_all(model, opt, sched)
     assert not opt.stats()["host_inflight"]  # state_dict() waited for it ...
     # ... and saved its result as pending, not applied: the params still hold the old values.
     pending = [s["host_pending"] for s in saved["opt"]["state"].values() if s["kind"] == "matrix"]
     assert pending and all(pending)
     # The uninterrupted run continues from the same object: saving changed nothing.
-    train(model, opt, data[13:], sched)
-    opt.synchronize()
-    for a, b in zip(params_of(model), want):
-        assert torch.equal(a, b)
-    opt.close()
+    finish_and_compare(model, opt, sched, data[13:], want)
 
     model2 = make_model(seed=123, dtype=dtype)  # different init: everything must come from the save
     model2.load_state_dict(saved["model"])
     opt2, sched2 = fresh(model2, accumulate_on=accumulate_on)
     opt2.load_state_dict(saved["opt"])
     sched2.load_state_dict(saved["sched"])
-    train(model2, opt2, data[13:], sched2)
-    opt2.synchronize()
-    for a, b in zip(params_of(model2), want):
-        assert torch.equal(a, b)
-    opt2.close()
+    finish_and_compare(model2, opt2, sched2, data[13:], want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,28 +82,18 @@ def test_rolling_back_the_same_optimizer_with_work_in_flight(dtype):
     """load_state_dict into the optimizer that saved it, while a later host job is in flight
     (a rollback, as after a loss spike): nothing of that later job may leak into the params."""
     data = batches(30)
-    model = make_model(dtype=dtype)
-    opt, sched = fresh(model)
-    train(model, opt, data, sched)
-    opt.synchronize()
-    want = params_of(model)
-    opt.close()
+    want = uninterrupted(data, dtype)
 
     model = make_model(dtype=dtype)
     opt, sched = fresh(model)
     train(model, opt, data[:13], sched)
-    saved = roundtrip({"model": clone_model(model).state_dict(), "opt": opt.state_dict(),
-                       "sched": sched.state_dict()})
+    saved = save_all(model, opt, sched)
     train(model, opt, data[13:21], sched)  # a later window's job is in flight now
     assert opt.stats()["host_inflight"]
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])
-    train(model, opt, data[13:], sched)
-    opt.synchronize()
-    for a, b in zip(params_of(model), want):
-        assert torch.equal(a, b)
-    opt.close()
+    finish_and_compare(model, opt, sched, data[13:], want)
 
 
 def test_state_dict_shows_the_split_and_keeps_index_dtypes():
