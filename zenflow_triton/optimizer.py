@@ -331,18 +331,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             cached = self._host_idx_dev[p] = (st["host_idx"], st["host_idx"].to(p.device))
         return cached[1]
 
-    def _staging_for(self, p: torch.Tensor, shape) -> torch.Tensor:
-        """The reusable fp32 host buffer of ``p``'s window gradient (pinned where CUDA
-        exists); reallocated only when a reselection changed the host-owned column count."""
-        buf = self._staging.get(p)
+    @staticmethod
+    def _reusable(cache: dict, p: torch.Tensor, shape,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``cache[p]``: a host buffer of ``shape`` and ``dtype`` (pinned where CUDA exists),
+        reused across windows; reallocated only when a reselection changed the host-owned
+        column count. ``self._staging`` holds the window gradients (fp32), ``self._outbox``
+        the deferred results (the param's dtype)."""
+        buf = cache.get(p)
         if buf is None or buf.shape != torch.Size(shape):
-            buf = self._staging[p] = host_empty(shape)
-        return buf
-
-    def _outbox_for(self, p: torch.Tensor, shape) -> torch.Tensor:
-        buf = self._outbox.get(p)
-        if buf is None or buf.shape != torch.Size(shape):
-            buf = self._outbox[p] = host_empty(shape, p.dtype)
+            buf = cache[p] = host_empty(shape, dtype)
         return buf
 
     def _host_columns(self, g2d: torch.Tensor, host_idx: torch.Tensor) -> torch.Tensor:
@@ -402,7 +400,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 else:  # host accumulator: the job takes it, the spare becomes the accumulator
                     src = None
                     grad = acc
-                    st["acc"] = self._staging_for(p, acc.shape).zero_()
+                    st["acc"] = self._reusable(self._staging, p, acc.shape).zero_()
                     self._staging[p] = acc
                 if src is not None:
                     devices.add(src.device)
@@ -410,7 +408,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     if apply_now:                                           # never races the job
                         grad, load = None, piece_load(src.reshape(-1), zero_src)
                     else:
-                        grad = self._staging_for(p, src.shape)
+                        grad = self._reusable(self._staging, p, src.shape)
                         stage.append((grad, src, zero_src))
                 if apply_now and st["host_idx"].numel() == view2d(p).shape[1]:
                     devices.add(p.device)
@@ -418,7 +416,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     store = piece_store(p.detach().view(-1), st["host_master"].view(-1))
                     stored.append(p)
                 elif not apply_now and (p.device.type == "cuda" or p.dtype != torch.float32):
-                    box = outboxes[p] = self._outbox_for(p, st["host_master"].shape)
+                    box = outboxes[p] = self._reusable(self._outbox, p, st["host_master"].shape, p.dtype)
                     store = piece_store(box.view(-1), st["host_master"].view(-1))
                 st["acc_count"] = 0
                 st["host_step"] += 1

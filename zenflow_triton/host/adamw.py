@@ -263,13 +263,24 @@ def _fused_available() -> bool:
         return False
 
 
+def _step_tensors(steps: Sequence) -> list[torch.Tensor]:
+    """Adam step counts as the 0-d float tensors the fused kernel takes (it only reads them):
+    ints become one shared tensor per distinct value; tensors pass through."""
+    made: dict[int, torch.Tensor] = {}
+    out = []
+    for s in steps:
+        if not isinstance(s, torch.Tensor):
+            if s not in made:
+                made[s] = torch.tensor(float(s))
+            s = made[s]
+        out.append(s)
+    return out
+
+
 def _fused_call(lists, steps: Sequence, h: HostHyper) -> None:
     """``steps``: per tensor, its Adam step as an int or a 0-d float tensor."""
     params, grads, ms, vs = lists
-    made: dict[int, torch.Tensor] = {}
-    state_steps = [s if isinstance(s, torch.Tensor) else
-                   made[s] if s in made else made.setdefault(s, torch.tensor(float(s)))
-                   for s in steps]
+    state_steps = _step_tensors(steps)
     scale = None if h.grad_divisor == 1.0 else torch.tensor(float(h.grad_divisor))
     torch._fused_adamw_(params, grads, ms, vs, [], state_steps, lr=float(h.lr),
                         beta1=float(h.beta1), beta2=float(h.beta2),
@@ -371,11 +382,8 @@ class HostAdamW:
             return
         if not pool.alive():
             raise HostAdamWError("a host AdamW worker thread is dead")
-        # Step counts as the 0-d tensors the fused kernel takes (it only reads them): made
-        # once per call and shared, not once per piece.
-        made: dict[int, torch.Tensor] = {}
-        steps = [made[t[4].step] if t[4].step in made else
-                 made.setdefault(t[4].step, torch.tensor(float(t[4].step))) for t in tasks]
+        # Made once per call and shared by the pieces, not once per piece.
+        steps = _step_tensors([t[4].step for t in tasks])
         futures = [pool.submit(self._run_batch, flats, ios, steps, b) for b in batches]
         self._wait(pool, futures, batches)
 
