@@ -131,6 +131,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._training = True
         self._global_step = 0
+        # The threads live as long as this object, not as long as whoever holds a copy of
+        # its __dict__: wrappers (Lightning's LightningOptimizer, copy.copy, profilers) share
+        # the worker and pool, and collecting such a wrapper must not stop them. A finalizer
+        # bound to this object (never __del__, which a wrapper inherits) stops them when the
+        # owner is collected, and close() runs it early; it holds the threads, not self.
+        self._shutdown = weakref.finalize(self, _stop_threads, self._worker, self._host_adamw)
+        self._shutdown.atexit = False  # _close_open_optimizers waits for the work first
         _OPEN.add(self)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0,
                               host_wait_seconds=0.0, host_busy_seconds=0.0)
@@ -558,20 +565,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             pass
         finally:
             self._inflight = None
-            self._worker.close()
-            self._host_adamw.close()
+            self._shutdown()
 
     def __enter__(self) -> "ZenFlowOptimizer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def _check_open(self) -> None:
         if self._closed:
@@ -655,6 +655,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 st["acc"] = new_accumulator(p.shape[0], st["host_idx"].numel(), p.device,
                                             self.config.accumulate_on)
         return st
+
+
+def _stop_threads(worker: HostWorker, host_adamw: HostAdamW) -> None:
+    """Stop an optimizer's host threads: the worker first (it finishes its queued job, which
+    uses the pool), then the pool. Bounded by host_timeout; idempotent."""
+    worker.close()
+    host_adamw.close()
 
 
 def _check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
