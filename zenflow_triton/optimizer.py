@@ -239,12 +239,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{self._param_name(p)}: gradient shape "
                                      f"{tuple(g.shape)} does not match the param")
                 work.append((group, p, g))
-        if self.config.check_finite and work:
+        checked = [(p, g) for _, p, g in work if g.numel()]  # an empty grad is finite
+        if self.config.check_finite and checked:
             # One cheap pass over each gradient: min and max propagate NaN and show +-inf
             # (a sum could overflow on finite values; isfinite().all() is several passes).
-            ext = torch.stack([torch.stack(torch.aminmax(g)).float().cpu() for _, _, g in work])
+            ext = torch.stack([torch.stack(torch.aminmax(g)).float().cpu() for _, g in checked])
             if not bool(torch.isfinite(ext).all()):
-                bad = [self._param_name(p) for (_, p, _), row in zip(work, ext)
+                bad = [self._param_name(p) for (p, _), row in zip(checked, ext)
                        if not bool(torch.isfinite(row).all())]
                 raise NonFiniteGradientError(
                     f"non-finite gradient (NaN or inf) in {', '.join(bad)}; no optimizer state "
