@@ -1,4 +1,4 @@
-"""A pure-Python, single-threaded reference of ZenFlow's schedule (DESIGN.md, "Semantics").
+"""A pure-Python, single-threaded reference of ZenFlow's schedule (docs/design.md, "The step").
 
 Written independently of the library's code paths: full-width fp32 state per matrix param,
 an ownership mask per column, one Adam step count per side, every host update computed at
@@ -33,9 +33,13 @@ class ReferenceZenFlow:
         self.overlap = overlap
         self.warmup = warmup_steps
         self.min_numel = min_offload_numel
-        self.host_scale = float(update_interval if host_lr_scale is None else host_lr_scale)
+        self.host_scale = host_lr_scale  # None = "auto"
         self.t = 0
         self.st = {}
+        # Smallest relative gap between the last selected and the first unselected column
+        # score at any selection: a comparison with the library rests on the same selection,
+        # so it needs this far above fp32 rounding of a column sum.
+        self.min_selection_gap = math.inf
 
     def _is_matrix(self, p):
         return p.dim() >= 2 and p.numel() >= self.min_numel
@@ -50,6 +54,11 @@ class ReferenceZenFlow:
                 "m": torch.zeros(rows, cols), "v": torch.zeros(rows, cols),
                 "dev": torch.zeros(cols, dtype=torch.bool), "sd": 0, "sh": 0,
                 "acc": torch.zeros(rows, cols), "n": 0, "pending": False, "selected": False}
+
+    def masters(self, params):
+        """Each param's fp32 weights as the reference holds them."""
+        return [self.st[id(p)]["w"].view(p.shape).clone() if id(p) in self.st
+                else p.detach().float().clone() for p in params]
 
     def _apply_pending(self):
         for group in self.groups:
@@ -68,6 +77,10 @@ class ReferenceZenFlow:
         k = 0 if self.ratio <= 0 else min(cols, max(1, round(self.ratio * cols)))
         scores = (g2 * g2).sum(0)
         chosen = sorted(range(cols), key=lambda j: (-scores[j].item(), j))[:k]
+        if 0 < k < cols:
+            ranked = sorted(scores.tolist(), reverse=True)
+            self.min_selection_gap = min(self.min_selection_gap,
+                                         (ranked[k - 1] - ranked[k]) / ranked[k - 1])
         new = torch.zeros(cols, dtype=torch.bool)
         new[chosen] = True
         old = s["dev"]
@@ -139,7 +152,10 @@ class ReferenceZenFlow:
                     s["sh"] += 1
                     w, m, v = s["w"][:, h], s["m"][:, h], s["v"][:, h]
                     mean = s["acc"][:, h] / s["n"] if s["n"] != 1 else s["acc"][:, h]
-                    _adamw(w, mean, m, v, lr=grp["lr"] * self.host_scale, b1=b1, b2=b2,
+                    # Warm-up is plain AdamW; "auto" scales by the window's gradient count.
+                    scale = (1.0 if warm else float(s["n"]) if self.host_scale is None
+                             else float(self.host_scale))
+                    _adamw(w, mean, m, v, lr=grp["lr"] * scale, b1=b1, b2=b2,
                            eps=grp["eps"], wd=grp["weight_decay"], step=s["sh"])
                     s["w"][:, h], s["m"][:, h], s["v"][:, h] = w, m, v
                     s["acc"].zero_()
@@ -150,10 +166,11 @@ class ReferenceZenFlow:
 
 
 def run_reference(model, data, loss_fn, groups, lr_factor, *, min_offload_numel=64,
-                  sync_after=(), **cfg):
+                  sync_after=(), clip=None, **cfg) -> ReferenceZenFlow:
     """Train ``model`` on ``data`` under the reference schedule; the lr of step i is the
-    group's initial lr times ``lr_factor(i)``; pending host results are applied after the
-    steps in ``sync_after`` (as ``synchronize()`` does) and at the end."""
+    group's initial lr times ``lr_factor(i)``; gradients are clipped to global norm ``clip``
+    when given; pending host results are applied after the steps in ``sync_after`` (as
+    ``synchronize()`` does) and at the end. Returns the reference (``min_selection_gap``)."""
     for g in groups:
         g.setdefault("betas", (0.9, 0.999))
         g.setdefault("eps", 1e-8)
@@ -164,8 +181,10 @@ def run_reference(model, data, loss_fn, groups, lr_factor, *, min_offload_numel=
             g["lr"] = lr0 * lr_factor(i)
         model.zero_grad()
         loss_fn(model, x).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         ref.step()
         if i in sync_after:
             ref._apply_pending()
     ref._apply_pending()
-    return model
+    return ref

@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ZenFlowConfig:
-    """Settings of a :class:`~zenflow_triton.ZenFlowOptimizer` (see DESIGN.md, "Semantics")."""
+    """Settings of a :class:`~zenflow_triton.ZenFlowOptimizer` (docs/design.md, "The step")."""
 
     topk_ratio: float = 0.1
     """Fraction of each matrix param's columns updated on the device every step, in [0, 1].
@@ -76,8 +76,11 @@ class ZenFlowConfig:
     use (Linux); None = no pinning (default). Never fatal: unusable cores only warn."""
 
     host_lr_scale: Union[float, Literal["auto"]] = "auto"
-    """Host learning-rate multiplier (> 0): "auto" means update_interval (a deferred column gets
-    one Adam step per window); 1.0 gives ZenFlow's and DeepSpeed's semantics."""
+    """Host learning-rate multiplier (> 0) of every window after warm-up. "auto": the number of
+    gradients the param accumulated in the window (update_interval for a full window, 1 for a
+    one-step window such as ZeRO-Offload mode, fewer for a param that skipped steps), since a
+    deferred column gets one Adam step per window instead of one per step. 1.0 gives ZenFlow's
+    and DeepSpeed's semantics. Warm-up steps are plain AdamW: multiplier 1 whatever this is."""
 
     check_finite: bool = True
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any
@@ -131,8 +134,16 @@ class ZenFlowConfig:
 
     @property
     def effective_host_lr_scale(self) -> float:
+        """The host lr multiplier of a full window (update_interval gradients) after warm-up."""
+        return self.host_lr_multiplier(self.update_interval)
+
+    def host_lr_multiplier(self, n: int, warmup: bool = False) -> float:
+        """The host lr multiplier of a window in which the param accumulated ``n`` gradients:
+        1 during warm-up (plain AdamW), n under "auto", the fixed value otherwise."""
+        if warmup:
+            return 1.0
         if self.host_lr_scale == "auto":
-            return float(self.update_interval)
+            return float(n)
         return float(self.host_lr_scale)
 
     def replace(self, **changes: Any) -> "ZenFlowConfig":

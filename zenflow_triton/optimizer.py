@@ -1,4 +1,4 @@
-"""ZenFlowOptimizer: the per-step orchestration (DESIGN.md, "Semantics").
+"""ZenFlowOptimizer: the per-step orchestration (docs/design.md, "The step").
 
 This module decides *when* things happen; ``kernels`` compute, ``host`` runs the host half,
 ``transfer`` moves and counts bytes, ``partition`` says who owns which columns.
@@ -12,7 +12,9 @@ Schedule, with t the global step (1-based) and u = t - warmup_steps:
 * every step: fused AdamW on the device-owned columns and on small params; the gradient of
   the host-owned columns is added to the window accumulator.
 * update boundary u % update_interval == 0: the window-mean gradient goes to the host, which
-  runs AdamW on the host-owned columns (lr * host_lr_scale). With overlap=True the result is
+  runs AdamW on the host-owned columns at lr times the host multiplier ("auto": the param's
+  number of gradients in the window; 1 in warm-up, which is plain AdamW; see
+  ``ZenFlowConfig.host_lr_multiplier``). With overlap=True the result is
   written into the param at the next boundary, with overlap=False at once. The apply point is
   fixed by the step count, never by thread timing, so training is bit-for-bit reproducible.
 
@@ -218,7 +220,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self._drain()          # apply the window that ended update_interval ago
                 self._launch_host(apply_now=False)
             else:
-                self._launch_host(apply_now=True)
+                self._launch_host(apply_now=True, warmup=warmup)
                 self._drain()          # synchronous: apply this window's result now
         return loss
 
@@ -358,8 +360,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return self.ops.gather_columns(g2d, host_idx)
 
     # ------------------------------------------------------------------ host half
-    def _launch_host(self, apply_now: bool) -> None:
+    def _launch_host(self, apply_now: bool, warmup: bool = False) -> None:
         """Hand every param's window-mean gradient to the host worker (one job).
+
+        ``warmup``: a warm-up step, plain AdamW (host lr multiplier 1).
 
         ``apply_now``: the caller drains this job at once (overlap=False, warm-up). The job
         then streams: each pool worker loads a piece of the gradient straight from its source
@@ -378,7 +382,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stored: list[torch.Tensor] = []  # params whose copy-out the job does
         outboxes: dict[torch.Tensor, torch.Tensor] = {}
         devices: set[torch.device] = set()
-        scale = self.config.effective_host_lr_scale
         queue = None  # the job's CopyQueue, made below once the devices are known
 
         def piece_load(flat: torch.Tensor, zero: bool):
@@ -429,6 +432,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 st["acc_count"] = 0
                 st["host_step"] += 1
                 st["host_pending"] = True
+                scale = self.config.host_lr_multiplier(count, warmup)
                 hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
                                   eps=group["eps"], weight_decay=group["weight_decay"],
                                   step=st["host_step"], grad_divisor=float(count))
