@@ -60,6 +60,7 @@ def test_columns_moving_each_way_keep_their_adam_state():
         master_dev = (st["device_master"] if dtype != torch.float32
                       else p[:, st["device_idx"]].float()).clone()
         host_master = st["host_master"].clone()
+        raw = {k: st[k].clone() for k in ("device_m", "device_v", "host_m", "host_v")}
         before = link.bytes_d2h, link.bytes_h2d
         # Column 1 leaves the device, column 6 enters it; column 0 stays.
         moved = migrate(p, st, torch.tensor([0, 6]), beta1=B1, beta2=B2, ops=ops, link=link,
@@ -70,8 +71,13 @@ def test_columns_moving_each_way_keep_their_adam_state():
         m1, v1 = corrected(st, 8)
         torch.testing.assert_close(m1, m0, rtol=1e-6, atol=0)
         torch.testing.assert_close(v1, v0, rtol=1e-6, atol=0)
-        # The raw moments did change (the step counts differ): the rescale was needed.
-        assert not torch.allclose(st["device_m"][:, 1], st["host_m"][:, 5])
+        # The raw moments of the moved columns did change (the step counts differ, so the
+        # rescale was needed): column 6 was host position 4, column 1 device position 1.
+        assert not torch.allclose(st["device_m"][:, 1], raw["host_m"][:, 4])
+        assert not torch.allclose(st["device_v"][:, 1], raw["host_v"][:, 4])
+        assert not torch.allclose(st["host_m"][:, 0], raw["device_m"][:, 1])
+        # Column 0 stayed on the device, untouched.
+        assert torch.equal(st["device_m"][:, 0], raw["device_m"][:, 0])
         # fp32 masters moved exactly, with no round trip through the param dtype.
         assert torch.equal(st["host_master"][:, 0], master_dev[:, 1])
         dev_master = st["device_master"] if dtype != torch.float32 else p[:, [0, 6]].float()
@@ -102,6 +108,52 @@ def test_min_one_column_when_ratio_positive():
     from zenflow_triton.partition import num_selected
     assert num_selected(7, 0.01) == 1
     assert num_selected(7, 0.0) == 0
-    assert num_selected(10, 0.25) == round(2.5)
+    # round(topk_ratio * cols), halves to even as Python's round() and torch.round do
+    assert num_selected(10, 0.25) == 2      # 2.5
+    assert num_selected(14, 0.25) == 4      # 3.5
+    assert num_selected(10, 0.27) == 3      # 2.7
     assert num_selected(3, 1.0) == 3
     assert ZenFlowConfig(topk_ratio=0.0).topk_ratio == 0.0
+
+
+def test_migration_keeps_bias_corrected_moments_under_other_step_counts():
+    """An outside oracle for the rescale: with a gradient that is constant in time, Adam's
+    bias-corrected moments are exactly g and g^2 whatever the step count. Train 8 steps with
+    windows of 4 (device count 8, host count 2), then make the device columns unimportant:
+    at step 9 the selection moves them to the host and brings the next columns in. Each
+    moved column must still hold m_hat = g, v_hat = g^2 under its new owner's count (the
+    columns that came in have also taken step 9 with the same g: still g and g^2)."""
+    from zenflow_triton import ZenFlowOptimizer
+
+    rows, cols, k = 6, 10, 3
+    gen = torch.Generator().manual_seed(0)
+    # Column j's gradient: sign pattern times a magnitude that ranks the columns clearly.
+    mags = torch.tensor([0.3, 2.0, 0.5, 1.4, 3.0, 0.8, 1.0, 2.5, 0.6, 1.7])
+    g_const = torch.randn(rows, cols, generator=gen).sign() * mags
+    top = torch.sort(mags, descending=True).indices
+    first, second = sorted(top[:k].tolist()), sorted(top[k:2 * k].tolist())
+    p = torch.nn.Parameter(torch.randn(rows, cols, generator=gen))
+    opt = ZenFlowOptimizer([p], lr=1e-3, betas=(B1, B2), topk_ratio=k / cols,
+                           update_interval=4, select_interval=8, overlap=False,
+                           min_offload_numel=1)
+    for t in range(1, 10):
+        g = g_const.clone()
+        if t == 9:
+            g[:, first] *= 0.01  # the device columns drop out of the top k
+        p.grad = g
+        opt.step()
+        st = opt.state_dict()["state"][0]
+        if t == 8:
+            assert st["device_idx"].tolist() == first
+            assert (st["device_step"], st["host_step"]) == (8, 2)
+    opt.close()
+    assert st["device_idx"].tolist() == second, "the selection did move"
+    assert st["device_step"] == 9 and st["host_step"] == 2
+    host_pos = {c: i for i, c in enumerate(st["host_idx"].tolist())}
+    into_host = [host_pos[c] for c in first]  # moved to the host, not yet updated there
+    for side, pos, cols_ in (("device", list(range(k)), second), ("host", into_host, first)):
+        s = st[f"{side}_step"]
+        m_hat = st[f"{side}_m"][:, pos] / (1 - B1 ** s)
+        v_hat = st[f"{side}_v"][:, pos] / (1 - B2 ** s)
+        torch.testing.assert_close(m_hat, g_const[:, cols_], rtol=1e-5, atol=0, msg=side)
+        torch.testing.assert_close(v_hat, g_const[:, cols_] ** 2, rtol=1e-5, atol=0, msg=side)
