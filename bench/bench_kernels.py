@@ -10,9 +10,13 @@ Run:  python3 -m pytest bench/bench_kernels.py -q [--benchmark-json=out.json]
 A text summary is printed at the end and, when ``ZENFLOW_BENCH_OUT`` names a folder, written
 there as ``bench_kernels.txt`` (plus ``bench_kernels_summary.json``).
 
-Without CUDA every benchmark is skipped. ``ZENFLOW_BENCH_CPU_SMOKE=1`` instead runs them on
-CPU in Triton's interpreter with tiny shapes: a check that the benchmark code runs, not a
-measurement.
+Without CUDA the benchmarks run only in CPU smoke mode: on CPU, in Triton's interpreter, with
+tiny shapes (a check that the benchmark code runs, not a measurement). Smoke mode is on when
+``ZENFLOW_BENCH_CPU_SMOKE=1`` or ``ZENFLOW_BENCH_QUICK=1`` is set (the latter is what
+``scripts/test.sh``, i.e. CI, sets, so CI keeps this code from rotting; a guard in
+``tests/test_bench_smoke.py`` fails if it all gets skipped again). Without CUDA and without
+either variable, every benchmark is skipped. With CUDA both variables are ignored: the
+benchmarks run at full size.
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-CPU_SMOKE = not HAS_CUDA and os.environ.get("ZENFLOW_BENCH_CPU_SMOKE") == "1"
+CPU_SMOKE = not HAS_CUDA and (os.environ.get("ZENFLOW_BENCH_CPU_SMOKE") == "1"
+                              or os.environ.get("ZENFLOW_BENCH_QUICK") == "1")
 if CPU_SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 
 pytestmark = pytest.mark.skipif(
     not (HAS_CUDA or CPU_SMOKE),
     reason="GPU benchmarks need a CUDA device (torch.cuda.is_available() is False); "
-           "set ZENFLOW_BENCH_CPU_SMOKE=1 to smoke-run them in the Triton interpreter")
+           "set ZENFLOW_BENCH_CPU_SMOKE=1 (or ZENFLOW_BENCH_QUICK=1) to smoke-run them "
+           "in the Triton interpreter")
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # A Llama-3-8B MLP down-projection: [4096, 14336] bf16. Tiny on the CPU smoke run.
