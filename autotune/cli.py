@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("detect", help="show the hardware this machine exposes")
     d.add_argument("--json", action="store_true")
-    d.add_argument("--measure", action="store_true", help="also time host AdamW (~1 s)")
+    d.add_argument("--measure", action="store_true", help="also time the library's host AdamW "
+                   "(HostAdamW at its default threads and chunk size, ~1 s)")
 
     pl = sub.add_parser("plot", help="PNG plots of a study: optimization history, parameter "
                                      "importances, throughput vs quality (needs matplotlib)")
@@ -304,11 +305,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from .hardware import detect, measure_host_adam
+    from .hardware import detect, host_adam_settings, measure_host_adam
 
     info = detect()
     if args.measure:
         info["host"]["host_adam_elements_per_s"] = measure_host_adam()
+        info["host"]["host_adam_measured_with"] = host_adam_settings()
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
@@ -316,7 +318,10 @@ def cmd_detect(args: argparse.Namespace) -> int:
     print(f"host: {h['cpu']}; {h['usable_cpus']} usable CPUs, torch threads "
           f"{h['torch_threads']}, {h['memory_gb']} GB RAM")
     if "host_adam_elements_per_s" in h:
-        print(f"host AdamW: {h['host_adam_elements_per_s'] / 1e6:,.0f} M elements/s (fp32)")
+        how = h.get("host_adam_measured_with") or {}
+        print(f"host AdamW (HostAdamW, {how.get('threads', '?')} threads, chunk_size "
+              f"{how.get('chunk_size', '?')}): {h['host_adam_elements_per_s'] / 1e6:,.0f} "
+              "M elements/s (fp32)")
     if not info["accelerators"]:
         print("accelerators: none (CPU only)")
     for a in info["accelerators"]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import platform
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["detect", "matching_builtin", "hardware_slug", "measure_host_adam"]
+__all__ = ["detect", "matching_builtin", "hardware_slug", "measure_host_adam",
+           "host_adam_settings"]
 
 
 def _cpu_model() -> str:
@@ -125,15 +127,62 @@ def hardware_slug(info: dict[str, Any]) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40] or "device"
 
 
-def measure_host_adam(numel: int = 1 << 20, repeats: int = 5) -> float:
-    """Elements per second of ``torch.optim.AdamW`` on one fp32 CPU tensor (host-Adam speed)."""
-    p = torch.nn.Parameter(torch.zeros(numel))
-    p.grad = torch.randn(numel)
-    opt = torch.optim.AdamW([p], lr=1e-3)
-    opt.step()  # allocate state
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        opt.step()
-        best = min(best, time.perf_counter() - t)
-    return numel / best
+def host_adam_settings(threads: int | None = None,
+                       chunk_size: int | None = None) -> dict[str, Any]:
+    """How :func:`measure_host_adam` runs the host AdamW: the implementation, and the thread
+    count and chunk size ``ZenFlowOptimizer`` uses by default (``ZenFlowConfig``'s
+    ``host_threads``, None = ``torch.get_num_threads()``, and ``chunk_size``) unless given."""
+    from zenflow_triton import ZenFlowConfig
+
+    cfg = ZenFlowConfig()
+    threads = threads if threads is not None else (cfg.host_threads
+                                                   or max(1, torch.get_num_threads()))
+    chunk_size = chunk_size if chunk_size is not None else cfg.chunk_size
+    return {"impl": "zenflow_triton.host.HostAdamW", "threads": threads,
+            "chunk_size": chunk_size}
+
+
+def measure_host_adam(numel: int = 1 << 24, repeats: int = 5, *, threads: int | None = None,
+                      chunk_size: int | None = None, warmup: int = 1) -> float:
+    """Elements per second of the library's host AdamW, :class:`zenflow_triton.host.HostAdamW`
+    (the pool ``ZenFlowOptimizer`` runs its host-owned columns on), fp32.
+
+    One ``update_many`` call on one set of fp32 (master, grad, m, v) CPU buffers of ``numel``
+    elements (default 2^24: 64 MiB each, beyond the CPU caches as the host columns of a real
+    model are), with the optimizer's default window (``grad_divisor`` = ``update_interval``),
+    on ``threads`` workers with pieces of at most ``chunk_size`` elements (defaults: what the
+    optimizer uses, see :func:`host_adam_settings`). ``warmup`` untimed calls, then the
+    median of ``repeats`` timed ones; returns ``numel`` / that median.
+    """
+    from zenflow_triton import ZenFlowConfig
+    from zenflow_triton.host import HostAdamW, HostHyper
+
+    for name, value, lo in (("numel", numel, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if not isinstance(value, int) or value < lo:
+            raise ValueError(f"measure_host_adam: {name} must be an int >= {lo}, got {value!r}")
+    how = host_adam_settings(threads, chunk_size)
+    cfg = ZenFlowConfig()
+    divisor = float(cfg.update_interval)
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(numel, generator=gen)
+    grad = torch.randn(numel, generator=gen)
+    m = torch.zeros(numel)
+    v = torch.zeros(numel)
+    adamw = HostAdamW(how["threads"], how["chunk_size"], cfg.host_timeout)
+    times: list[float] = []
+    try:
+        for i in range(warmup + repeats):
+            hyper = HostHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                              step=i + 1, grad_divisor=divisor)
+            t = time.perf_counter()
+            adamw.update_many([(master, grad, m, v, hyper)])
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+            grad.mul_(divisor)  # undo the in-place division (untimed): same gradient each call
+    finally:
+        adamw.close()
+    median = statistics.median(times)
+    if not median > 0:
+        raise RuntimeError(f"measure_host_adam: timer resolution too coarse for {numel} "
+                           "elements (median time 0); measure more elements")
+    return numel / median

@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from zenflow_triton.profiles import Profile, platform_dir, save_profile
 
-from .hardware import detect, measure_host_adam, versions
+from .hardware import detect, host_adam_settings, measure_host_adam, versions
 from .objective import (Objective, TuneSettings, constraints_func,
                         is_feasible, measure_reference)
 from .space import SearchSpace
@@ -211,6 +211,7 @@ def run_study(*, study_name: str, factory: Callable[..., Any], ts: TuneSettings,
     if "hardware" not in study.user_attrs:
         hw = detect()
         hw["host"]["host_adam_elements_per_s"] = measure_host_adam()
+        hw["host"]["host_adam_measured_with"] = host_adam_settings()
         study.set_user_attr("hardware", hw)
     if existing == 0 and not study.user_attrs.get("defaults_enqueued"):
         study.set_user_attr("defaults_enqueued", True)
@@ -283,6 +284,8 @@ def profile_from_study(study: optuna.Study, best: FrozenTrial, name: str, *,
         "host_cores": hw_detected["host"]["usable_cpus"],
         "host_memory_gb": hw_detected["host"].get("memory_gb"),
         "host_adam_elements_per_s": hw_detected["host"].get("host_adam_elements_per_s"),
+        # None in studies from before the measurement ran the library's HostAdamW.
+        "host_adam_measured_with": hw_detected["host"].get("host_adam_measured_with"),
         "accelerators": acc,
         "matching_builtin": hw_detected.get("matching_profile"),
     }

@@ -1,10 +1,12 @@
 """The tuner: search space validity, the quality guard, pruning, an end-to-end study that
-saves a loadable profile, resume after SIGKILL, and the CLI's bad-input paths."""
+saves a loadable profile, resume after SIGKILL, the CLI's bad-input paths, and the
+host-AdamW speed measurement (it must time the library's HostAdamW)."""
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,11 +21,13 @@ from optuna.trial import TrialState
 
 from autotune import cli
 from autotune import study as S
+from autotune import hardware
 from autotune.objective import (CONSTRAINT_ATTR, Objective, TuneSettings, is_feasible,
                                 measure_reference, quality_limit)
 from autotune.space import SearchSpace
 from autotune.workload import Workload, build_workload, tiny_lm
 from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer
+from zenflow_triton.host import HostAdamW
 from zenflow_triton.profiles import PROFILE_DIR_ENV, load_profile
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -188,6 +192,9 @@ def test_tiny_study_end_to_end_saves_a_profile_from_profile_loads(dirs):
     assert prof.provenance["study"] == "e2e" and prof.provenance["trial"] == out.best.number
     assert prof.provenance["objective"]["throughput"] == pytest.approx(out.best.value)
     assert prof.settings == out.best.user_attrs["settings"]
+    # the recorded host-AdamW speed is the library's HostAdamW, and says how it was run
+    assert prof.hardware["host_adam_measured_with"]["impl"] == "zenflow_triton.host.HostAdamW"
+    assert 0 < prof.hardware["host_adam_elements_per_s"] < math.inf
     feas = S.feasible_trials(out.study.get_trials())
     assert out.best.value == max(t.value for t in feas)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
@@ -357,3 +364,75 @@ def test_cli_list_show_detect(dirs, capsys):
     assert info["host"]["usable_cpus"] >= 1
     expected = "cpu" if not torch.cuda.is_available() else info["matching_profile"]
     assert info["matching_profile"] == expected
+
+
+# ---- hardware: the host-AdamW measurement ---------------------------------------------------
+@pytest.fixture
+def host_adam_calls(monkeypatch):
+    """Records every HostAdamW built and every update_many it runs (calling through), and
+    makes torch.optim.AdamW unusable: the measurement must time the library's host AdamW."""
+    calls = {"init": [], "update_many": []}
+    real_init, real_update = HostAdamW.__init__, HostAdamW.update_many
+
+    def init(self, threads, chunk_size, timeout, *args, **kwargs):
+        calls["init"].append((threads, chunk_size))
+        real_init(self, threads, chunk_size, timeout, *args, **kwargs)
+
+    def update_many(self, tasks):
+        calls["update_many"].append([(t[0].numel(), t[0].dtype, t[4]) for t in tasks])
+        return real_update(self, tasks)
+
+    class NotThisOne:
+        def __init__(self, *a, **k):
+            raise AssertionError("measure_host_adam used torch.optim.AdamW, not HostAdamW")
+
+    monkeypatch.setattr(HostAdamW, "__init__", init)
+    monkeypatch.setattr(HostAdamW, "update_many", update_many)
+    monkeypatch.setattr(torch.optim, "AdamW", NotThisOne)
+    return calls
+
+
+def test_measure_host_adam_times_the_library_host_adamw(host_adam_calls):
+    rate = hardware.measure_host_adam(4096, repeats=3, threads=2, chunk_size=1024, warmup=2)
+    assert host_adam_calls["init"] == [(2, 1024)]
+    runs = host_adam_calls["update_many"]
+    assert len(runs) == 2 + 3  # warm-up + timed calls, all through HostAdamW.update_many
+    for i, tasks in enumerate(runs):
+        (numel, dtype, hyper), = tasks
+        assert numel == 4096 and dtype == torch.float32
+        assert hyper.step == i + 1
+    assert math.isfinite(rate) and rate > 0
+
+
+def test_measure_host_adam_defaults_are_the_optimizers(host_adam_calls):
+    model = torch.nn.Linear(64, 128)
+    opt = ZenFlowOptimizer(model.parameters(), lr=1e-3)
+    try:
+        used = (opt._host_adamw.threads, opt._host_adamw.chunk_size)
+    finally:
+        opt.close()
+    host_adam_calls["init"].clear()
+    rate = hardware.measure_host_adam(2048, repeats=1, warmup=0)
+    assert host_adam_calls["init"] == [used]
+    how = hardware.host_adam_settings()
+    assert (how["threads"], how["chunk_size"]) == used
+    assert how["impl"] == "zenflow_triton.host.HostAdamW"
+    assert math.isfinite(rate) and rate > 0
+
+
+@pytest.mark.parametrize("kw", [dict(numel=0), dict(repeats=0), dict(warmup=-1),
+                                dict(numel=1.5)])
+def test_measure_host_adam_rejects_bad_arguments(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        hardware.measure_host_adam(**{"numel": 64, "repeats": 1, **kw})
+
+
+def test_cli_detect_measure_reports_how_host_adamw_was_timed(dirs, capsys, monkeypatch):
+    monkeypatch.setattr(hardware, "measure_host_adam", lambda: 1.25e9)
+    assert cli.main(["detect", "--measure", "--json"]) == 0
+    host = json.loads(capsys.readouterr().out)["host"]
+    assert host["host_adam_elements_per_s"] == 1.25e9
+    assert host["host_adam_measured_with"] == hardware.host_adam_settings()
+    assert cli.main(["detect", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "host AdamW (HostAdamW" in out and "1,250 M elements/s" in out
