@@ -241,3 +241,36 @@ def test_empty_params_are_accepted_as_adamw_accepts_them(shape):
     adamw.step()
     assert_trajectories_close([full], [ref[1]], 4, 1e-3)
     opt.close()
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_copies_refuse_to_step_or_save_and_leave_the_original_working(how):
+    """copy/deepcopy/pickle keep torch's part of an optimizer only; such a copy must say so
+    at once (it used to fail with AttributeError deep inside step()), and the original goes
+    on training."""
+    import copy
+    import gc
+    import pickle
+
+    model = make_model()
+    data = batches(4)
+    opt = ZenFlowOptimizer(model.parameters(), topk_ratio=0.2, update_interval=2,
+                           min_offload_numel=64)
+    for x in data[:2]:
+        opt.zero_grad()
+        loss_fn(model, x).backward()
+        opt.step()
+    dup = {"copy": copy.copy, "deepcopy": copy.deepcopy,
+           "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how](opt)
+    for call in (dup.step, dup.state_dict, dup.stats, dup.synchronize):
+        with pytest.raises(RuntimeError, match="copy made by copy/deepcopy/pickle"):
+            call()
+    dup.close()  # harmless
+    del dup
+    gc.collect()
+    for x in data[2:]:
+        opt.zero_grad()
+        loss_fn(model, x).backward()
+        opt.step()
+    assert opt.stats()["steps"] == 4 and opt.stats()["host_updates"] == 2
+    opt.close()

@@ -537,6 +537,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return self._training
 
     def stats(self) -> dict[str, Any]:
+        if getattr(self, "_detached", False):
+            self._check_open()
         dev_elems = total = 0
         for group in self.param_groups:
             for p in group["params"]:
@@ -578,7 +580,22 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """copy.copy, copy.deepcopy and pickle keep torch's part of an optimizer only
+        (defaults, state, param_groups): no host threads, no step count, no pending work. Such
+        a copy is inert: it refuses to step or save, saying so, instead of failing later."""
+        super().__setstate__(state)
+        self._closed = True
+        self._detached = True
+        self._training = True
+
     def _check_open(self) -> None:
+        if getattr(self, "_detached", False):
+            raise RuntimeError(
+                "this ZenFlowOptimizer is a copy made by copy/deepcopy/pickle, which keep only "
+                "its param_groups and state (no host threads, step count or pending host "
+                "work); to duplicate or move one, build a new ZenFlowOptimizer and call "
+                "load_state_dict(old.state_dict())")
         if self._closed:
             raise RuntimeError("this ZenFlowOptimizer is closed")
 
@@ -586,6 +603,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Tensors and primitives only. Host work in flight is finished first and saved as
         pending (``host_pending``), to be applied at the step it would have been anyway."""
+        if getattr(self, "_detached", False):
+            self._check_open()  # explains what a copy lacks
         if not self._closed:
             self._wait_inflight()
         sd = super().state_dict()
