@@ -76,6 +76,11 @@ def make_storage(url: str | None = None, *, heartbeat_interval: int = HEARTBEAT_
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                if url.startswith("sqlite:///"):
+                    return _SQLiteStorage(url, lock_path=Path(str(path) + ".lock"),
+                                          engine_kwargs=engine_kwargs,
+                                          heartbeat_interval=heartbeat_interval,
+                                          grace_period=grace_period)
                 return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
                                                   heartbeat_interval=heartbeat_interval,
                                                   grace_period=grace_period)
@@ -84,6 +89,48 @@ def make_storage(url: str | None = None, *, heartbeat_interval: int = HEARTBEAT_
                 raise
             time.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")
+
+
+class _SQLiteStorage(optuna.storages.RDBStorage):
+    """RDB storage on SQLite whose WAITING -> RUNNING transition is serialised across
+    processes. Optuna takes an enqueued trial by reading it as WAITING and then marking it
+    RUNNING; on PostgreSQL the read locks the row (SELECT ... FOR UPDATE), but SQLite has no
+    row locks, so two processes started together could both take the same enqueued trial
+    and the second to finish failed with "Cannot tell a COMPLETE trial". A lock file next to
+    the database makes the read and the write one step: the second process then sees the
+    trial RUNNING and takes another. The lock is held for one statement; the wait for it is
+    bounded (LOCK_WAIT_S), after which the transition runs unlocked, as Optuna's own does."""
+
+    LOCK_WAIT_S = 60.0
+
+    def __init__(self, url: str, *, lock_path: Path, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self._lock_path = lock_path
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState,
+                               values: Sequence[float] | None = None) -> bool:
+        if state != TrialState.RUNNING:
+            return super().set_trial_state_values(trial_id, state, values)
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system: Optuna's own (racy) transition
+            return super().set_trial_state_values(trial_id, state, values)
+        with open(self._lock_path, "a") as lock:
+            deadline = time.monotonic() + self.LOCK_WAIT_S
+            locked = False
+            while not locked:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+            try:
+                return super().set_trial_state_values(trial_id, state, values)
+            finally:
+                if locked:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def redact_url(url: str) -> str:

@@ -436,3 +436,35 @@ def test_cli_detect_measure_reports_how_host_adamw_was_timed(dirs, capsys, monke
     assert cli.main(["detect", "--measure"]) == 0
     out = capsys.readouterr().out
     assert "host AdamW (HostAdamW" in out and "1,250 M elements/s" in out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+def test_sqlite_storage_serialises_taking_an_enqueued_trial(tmp_path):
+    """Optuna reads a WAITING trial, then marks it RUNNING; SQLite has no row locks, so two
+    processes could both take one enqueued trial (seen in CI: "Cannot tell a COMPLETE
+    trial"). Our SQLite storage holds a lock file over that transition: a taker waits while
+    another holds it, and a second taker finds the trial RUNNING."""
+    import fcntl
+    import threading
+
+    import optuna
+    from optuna.trial import TrialState
+
+    db = tmp_path / "s.db"
+    storage = S.make_storage(f"sqlite:///{db}")
+    study = optuna.create_study(storage=storage, study_name="race")
+    study.enqueue_trial({"x": 1.0})
+    tid = study.get_trials(deepcopy=False)[0]._trial_id
+    result = []
+    with open(str(db) + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process in the middle of its transition
+        taker = threading.Thread(target=lambda: result.append(
+            storage.set_trial_state_values(tid, TrialState.RUNNING)))
+        taker.start()
+        taker.join(0.5)
+        assert taker.is_alive() and not result, "the transition did not wait for the lock"
+        fcntl.flock(held, fcntl.LOCK_UN)
+    taker.join(30)
+    assert result == [True]
+    other = S.make_storage(f"sqlite:///{db}")  # the second process
+    assert other.set_trial_state_values(tid, TrialState.RUNNING) is False
