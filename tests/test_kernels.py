@@ -421,3 +421,22 @@ def test_kernels_import_without_triton():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "OK", res.stderr[-2000:]
+
+
+def test_nonfinite_flags_matches_its_reference():
+    """One flag per gradient, whatever its dtype, shape or strides: NaN and +-inf flagged,
+    the largest finite values not (an inf-norm cannot overflow; a sum of squares would)."""
+    from zenflow_triton.kernels.finite import nonfinite_flags, nonfinite_flags_ref
+
+    big = torch.finfo(torch.float32).max
+    grads = [torch.randn(7, 3), torch.tensor([1.0, float("nan")]),
+             torch.tensor([-float("inf"), 2.0]).to(torch.bfloat16),
+             torch.full((5,), 60000.0, dtype=torch.float16), torch.tensor([big, -big]),
+             torch.randn(6, 4).t(), torch.tensor([[0.0, float("inf")], [1.0, 2.0]]).t(),
+             torch.randn(1)]
+    got = nonfinite_flags(grads)
+    assert got.dtype == torch.bool and got.tolist() == [False, True, True, False, False,
+                                                        False, True, False]
+    assert torch.equal(got, nonfinite_flags_ref(grads))
+    with pytest.raises(ValueError, match="empty"):
+        nonfinite_flags([torch.zeros(0)])

@@ -43,7 +43,7 @@ import torch
 
 from .config import ZenFlowConfig
 from .host import HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError, PieceIO
-from .kernels import KernelOps, get_ops, triton_available
+from .kernels import KernelOps, get_ops, nonfinite_flags, triton_available
 from .partition import (MATRIX, SMALL, classify, init_matrix_state, migrate, new_accumulator,
                         num_selected, select_columns, view2d)
 from .transfer import Link, host_empty, to_host_memory
@@ -243,12 +243,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 work.append((group, p, g))
         checked = [(p, g) for _, p, g in work if g.numel()]  # an empty grad is finite
         if self.config.check_finite and checked:
-            # One cheap pass over each gradient: min and max propagate NaN and show +-inf
-            # (a sum could overflow on finite values; isfinite().all() is several passes).
-            ext = torch.stack([torch.stack(torch.aminmax(g)).float().cpu() for _, g in checked])
-            if not bool(torch.isfinite(ext).all()):
-                bad = [self._param_name(p) for (p, _), row in zip(checked, ext)
-                       if not bool(torch.isfinite(row).all())]
+            bad = [self._param_name(p) for (p, _), flag in zip(checked, self._nonfinite(checked))
+                   if flag]
+            if bad:
                 raise NonFiniteGradientError(
                     f"non-finite gradient (NaN or inf) in {', '.join(bad)}; no optimizer state "
                     "was changed by this step (skip it, e.g. with torch.amp.GradScaler, or "
@@ -257,6 +254,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             if not self.state[p]:
                 self._init_state(p)
         return work
+
+    @staticmethod
+    def _nonfinite(checked) -> list[bool]:
+        """Per gradient, whether it holds a NaN or an inf: one multi-tensor reduction and one
+        host read per device (the step's only sync on an ordinary step)."""
+        flags = [False] * len(checked)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, g) in enumerate(checked):
+            by_device.setdefault(g.device, []).append(i)
+        for idx in by_device.values():
+            read = nonfinite_flags([checked[i][1] for i in idx]).tolist()
+            for i, flag in zip(idx, read):
+                flags[i] = flag
+        return flags
 
     def _init_state(self, p: torch.Tensor) -> None:
         if classify(p, self.config) == MATRIX:

@@ -15,6 +15,9 @@ Signatures (all in place unless they return):
 * ``accumulate_columns(acc, g2d, idx, scale)``: acc += scale * g2d[:, idx] (fp32 acc).
 * ``gather_columns(src2d, idx, dtype=None) -> [rows, k]`` and
   ``scatter_columns(dst2d, idx, src)``: column moves with a cast.
+
+Shared by both backends: ``nonfinite_flags(grads) -> bool [n]`` on the device (``finite.py``:
+one multi-tensor reduction, read by the caller once per step).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .accumulate import accumulate_columns_ref
 from .adamw import adamw_ref
 from .column_scores import column_scores_ref
 from .columns import gather_columns_ref, scatter_columns_ref
+from .finite import nonfinite_flags
 from .selective_adamw import selective_adamw_ref
 
 BACKENDS = ("torch", "triton")
