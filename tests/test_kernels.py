@@ -440,3 +440,98 @@ def test_nonfinite_flags_matches_its_reference():
     assert torch.equal(got, nonfinite_flags_ref(grads))
     with pytest.raises(ValueError, match="empty"):
         nonfinite_flags([torch.zeros(0)])
+
+
+# --- multi-tensor: device update + accumulation of many params in one launch -----------------
+
+MULTI_SHAPES = [(1, 1), (7, 1023), (33, 70), (5, 3), (64, 16)]
+
+
+def _multi_case(dtype, g_dtype=None, seed=0):
+    """Params of awkward shapes, each with some device-owned and some host-owned columns
+    (one with none of each), distinct Adam steps, strided grads for one of them."""
+    items = []
+    for j, (rows, cols) in enumerate(MULTI_SHAPES):
+        k = [1, cols // 5 or 1, 0, cols, cols // 2][j]
+        p, g, idx, m, v, master = _selective_case((rows, cols), dtype, min(k, cols),
+                                                  seed=seed + 10 * j)
+        if g_dtype is not None:
+            g = g.to(g_dtype)
+        if j == 4:  # a strided gradient: the transpose of a contiguous one
+            g = g.t().contiguous().t()
+        keep = torch.ones(cols, dtype=torch.bool, device=p.device)
+        keep[idx] = False
+        hidx = keep.nonzero().view(-1)
+        acc = randn(rows, hidx.numel(), seed=seed + 10 * j + 5) if j != 3 else None
+        items.append([p, g, idx, m, v, master, 3 + j, acc, hidx])
+    return items
+
+
+def _run_multi(ops_fn, items):
+    cols = list(zip(*items))
+    return ops_fn(*cols, **HP)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+def test_selective_adamw_accumulate_multi_equals_per_param_kernels(dtype):
+    """One launch for every param, bit for bit what the single-param kernels give (same
+    arithmetic), and close to the torch reference as the single-param kernels are."""
+    from zenflow_triton.kernels.selective_adamw_multi import (
+        selective_adamw_accumulate, selective_adamw_accumulate_ref)
+
+    items = _multi_case(dtype)
+    multi, single, ref = ([_clone(it) for it in items] for _ in range(3))
+    assert _run_multi(selective_adamw_accumulate, multi) == 1  # one launch in all
+    for p, g, idx, m, v, master, step, acc, hidx in single:
+        TRITON_OPS.selective_adamw(p, g, idx, m, v, master, step=step, **HP)
+        if acc is not None:
+            TRITON_OPS.accumulate_columns(acc, g, hidx, 1.0)
+    _run_multi(selective_adamw_accumulate_ref, ref)
+    for j, (a, b, r) in enumerate(zip(multi, single, ref)):
+        for name, x, y, z in zip(("p", "g", "idx", "m", "v", "master", "step", "acc"),
+                                 a, b, r):
+            if not isinstance(x, torch.Tensor):
+                continue
+            assert torch.equal(x, y), f"param {j}: {name} differs from the per-param kernel"
+            if x.dtype == torch.float32:  # the kernels' bound against the torch reference
+                scale = z.abs().max().item() if z.numel() else 0.0
+                assert (x - z).abs().max().item() <= 1e-6 * scale + 1e-30 if z.numel() else True
+
+
+def test_selective_adamw_accumulate_multi_groups_by_dtype_and_checks_input():
+    from zenflow_triton.kernels.selective_adamw_multi import selective_adamw_accumulate
+
+    a, b = _multi_case(torch.float32)[:2], _multi_case(torch.bfloat16, seed=1)[:2]
+    assert _run_multi(selective_adamw_accumulate, a + b) == 2  # one launch per param dtype
+    bad = _multi_case(torch.bfloat16)[:1]
+    bad[0][5] = None  # a bf16 param without its fp32 master
+    with pytest.raises(ValueError, match="fp32 master"):
+        _run_multi(selective_adamw_accumulate, bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+def test_adamw_multi_equals_per_tensor_launches(dtype):
+    """The eager multi-tensor launch (one per dtype pair) gives bit for bit what one launch
+    per tensor (the registered op's body) gives."""
+    from zenflow_triton.kernels.adamw import adamw_multi, adamw_scalars_launch
+    from zenflow_triton.kernels.selective_adamw import adamw_scalars
+
+    shapes = [(1,), (1023,), (33, 7), (0,), (2, 3, 4)]
+    steps = [1, 2, 5, 1, 1000]
+    low = dtype != torch.float32
+    ps = [randn(*s, dtype=dtype, seed=i) for i, s in enumerate(shapes)]
+    gs = [randn(*s, dtype=dtype, seed=10 + i) for i, s in enumerate(shapes)]
+    gs[2] = randn(7, 33, dtype=dtype, seed=12).t()  # strided: copied by both launchers
+    ms = [randn(*s, seed=20 + i, scale=0.1) for i, s in enumerate(shapes)]
+    vs = [randn(*s, seed=30 + i, scale=0.1).square() for i, s in enumerate(shapes)]
+    masters = [p.float() + 1e-3 if low else None for p in ps]
+    a, b = ([_clone(x) for x in (ps, gs, ms, vs, masters)] for _ in range(2))
+    assert adamw_multi(*a, steps, **HP) == 1
+    scal = [adamw_scalars(HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], s)
+            for s in steps]
+    adamw_scalars_launch(*b, scal[0]["decay"], scal[0]["lerp_w"], scal[0]["beta2"],
+                         scal[0]["one_minus_beta2"], scal[0]["eps"],
+                         [s["neg_step_size"] for s in scal], [s["bc2_sqrt"] for s in scal])
+    for x, y in zip(a, b):
+        for i, (s, t) in enumerate(zip(x, y)):
+            assert (s is None and t is None) or torch.equal(s, t), i

@@ -25,8 +25,10 @@ accumulators, or a single-step window's own ``.grad``) until its copy-in is done
 (``_wait_copy_in``): the next accumulation waits for that, and a ``.grad`` source is waited
 for before ``step()`` returns. A job whose result applies at once (overlap=False, warm-up)
 is waited for in the same step, so it may also write the params whose columns are all
-host-owned (``_stored_by_job``); a deferred job owns its params' outboxes until waited
-for (``_job_outbox``); everything else (the other params, the device state)
+host-owned (``_stored_by_job``); a job owns its params' outboxes until waited for
+(``_job_outbox``), and the apply's non-blocking copy reads an outbox until the work queued
+before the next launch is done, which the next job waits for before it writes one
+(``CopyQueue.wait_launched``); everything else (the other params, the device state)
 belongs to the main thread. The job's device copies go through a ``transfer.CopyQueue``:
 on CUDA a copy stream ordered after what the main thread queued before the launch.
 """
@@ -211,9 +213,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self._select(fresh)
 
         boundary = warmup or u % cfg.update_interval == 0
-        self._device_update(work)
-        self._accumulate(work,
-                         single_step_window=boundary and (warmup or cfg.update_interval == 1))
+        self._device_half(work,
+                          single_step_window=boundary and (warmup or cfg.update_interval == 1))
 
         if boundary:
             if cfg.overlap and not warmup:
@@ -299,50 +300,60 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 accumulate_on=self.config.accumulate_on)
 
     # ------------------------------------------------------------------ device half
-    def _device_update(self, work) -> None:
-        by_group: dict[int, list] = {}
+    def _device_half(self, work, single_step_window: bool) -> None:
+        """Every step: AdamW on the device-owned columns and on the small params, and the
+        gradient of the host-owned columns into the window accumulator; one multi-tensor op
+        per param group for each (launches grow with groups and dtypes, not params).
+
+        ``single_step_window``: this step is a whole window (warm-up, update_interval=1); a
+        param whose window starts here hands its gradient to the host as it is, at launch,
+        with no pass through the accumulator (``self._direct``)."""
+        self._wait_copy_in()  # the accumulators are the previous job's until it copied them
+        acc_on_device = self.config.accumulate_on == "device"
+        by_group: dict[int, tuple[dict, list, list]] = {}
         for group, p, g in work:
+            small, matrices = by_group.setdefault(id(group), (group, [], []))[1:]
             st = self.state[p]
             if st["kind"] == SMALL:
-                by_group.setdefault(id(group), [group, []])[1].append((p, g, st))
-                continue
-            if st["device_idx"].numel() == 0:
-                continue
-            st["device_step"] += 1
-            beta1, beta2 = group["betas"]
-            self.ops.selective_adamw(
-                view2d(p.detach()), view2d(g), st["device_idx"], st["device_m"], st["device_v"],
-                st.get("device_master"), lr=group["lr"], beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"], step=st["device_step"])
-        for group, items in by_group.values():
-            for _, _, st in items:
                 st["step"] += 1
-            beta1, beta2 = group["betas"]
-            self.ops.adamw([p.detach() for p, _, _ in items], [g for _, g, _ in items],
-                           [st["exp_avg"] for _, _, st in items],
-                           [st["exp_avg_sq"] for _, _, st in items],
-                           [st.get("master") for _, _, st in items],
-                           [st["step"] for _, _, st in items], lr=group["lr"], beta1=beta1,
-                           beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-
-    def _accumulate(self, work, single_step_window: bool) -> None:
-        self._wait_copy_in()  # the accumulators are the previous job's until it copied them
-        for group, p, g in work:
-            st = self.state[p]
-            if st["kind"] != MATRIX or st["host_idx"].numel() == 0:
+                small.append((p, g, st))
                 continue
-            g2d = view2d(g)
-            host_idx = self._host_idx_on_device(p, st)
-            if single_step_window and st["acc_count"] == 0:
-                # The window is this step alone: its gradient goes to the host as it is, at
-                # launch, with no pass through the accumulator (ZeRO-Offload mode, warm-up).
-                self._direct[p] = (g2d, host_idx)
-            elif self.config.accumulate_on == "device":
-                self.ops.accumulate_columns(st["acc"], g2d, host_idx, 1.0)
-            else:  # the columns cross the link every step, in the grad's dtype
-                cols = self.link.to_host(self._host_columns(g2d, host_idx))
-                st["acc"].add_(cols)
-            st["acc_count"] += 1
+            has_dev = st["device_idx"].numel() > 0
+            if has_dev:
+                st["device_step"] += 1
+            acc = host_idx = None
+            if st["host_idx"].numel():
+                g2d = view2d(g)
+                host_idx = self._host_idx_on_device(p, st)
+                if single_step_window and st["acc_count"] == 0:
+                    self._direct[p] = (g2d, host_idx)
+                elif acc_on_device:
+                    acc = st["acc"]
+                else:  # the columns cross the link every step, in the grad's dtype
+                    st["acc"].add_(self.link.to_host(self._host_columns(g2d, host_idx)))
+                st["acc_count"] += 1
+            if has_dev or acc is not None:
+                matrices.append((p, g, st, acc, host_idx))
+        for group, small, matrices in by_group.values():
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+            if small:
+                self.ops.adamw([p.detach() for p, _, _ in small], [g for _, g, _ in small],
+                               [st["exp_avg"] for _, _, st in small],
+                               [st["exp_avg_sq"] for _, _, st in small],
+                               [st.get("master") for _, _, st in small],
+                               [st["step"] for _, _, st in small], **hyper)
+            if matrices:
+                self.ops.selective_adamw_accumulate(
+                    [view2d(p.detach()) for p, *_ in matrices],
+                    [view2d(g) for _, g, *_ in matrices],
+                    [st["device_idx"] for _, _, st, *_ in matrices],
+                    [st["device_m"] for _, _, st, *_ in matrices],
+                    [st["device_v"] for _, _, st, *_ in matrices],
+                    [st.get("device_master") for _, _, st, *_ in matrices],
+                    [st["device_step"] for _, _, st, *_ in matrices],
+                    [acc for *_, acc, _ in matrices], [h for *_, h in matrices], **hyper)
 
     def _host_idx_on_device(self, p: torch.Tensor, st: dict) -> torch.Tensor:
         """``st["host_idx"]`` (kept in host memory) on ``p``'s device, copied once per
@@ -382,10 +393,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         writes the master piece into the param at once, so no full-size staging buffer is
         needed and each piece is copied while it is in cache. Otherwise the job first copies
         every source into a per-param staging buffer, so the sources (device accumulators,
-        or a ``.grad``) are free again early, while the host computes; and where the apply
-        needs the result in another dtype or on a CUDA device, each updated master piece is
-        cast into a per-param outbox (host, the param's dtype, pinned) while it is in cache,
-        so the apply is one plain copy.
+        or a ``.grad``) are free again early, while the host computes. In both modes, where
+        the apply needs the result in another dtype or on a CUDA device, each updated master
+        piece is cast into a per-param outbox (host, the param's dtype, pinned) while it is in
+        cache, so the apply is one plain non-blocking copy; the job waits, before it writes an
+        outbox, for the work queued before its launch (the last apply's copies read them).
         """
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
@@ -402,8 +414,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     queue.zero_(flat[s:e])
             return load
 
-        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor):
+        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor,
+                        outbox: bool = False):
             def store(s: int, e: int) -> None:
+                if outbox:  # the last apply's non-blocking copy may still read it
+                    queue.wait_launched()
                 queue.copy(param_flat[s:e], master_flat[s:e])
             return store
 
@@ -437,9 +452,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     self.link.count_h2d(p.numel() * p.element_size())
                     store = piece_store(p.detach().view(-1), st["host_master"].view(-1))
                     stored.append(p)
-                elif not apply_now and (p.device.type == "cuda" or p.dtype != torch.float32):
-                    box = outboxes[p] = self._reusable(self._outbox, p, st["host_master"].shape, p.dtype)
-                    store = piece_store(box.view(-1), st["host_master"].view(-1))
+                elif p.device.type == "cuda" or p.dtype != torch.float32:
+                    box = outboxes[p] = self._reusable(self._outbox, p, st["host_master"].shape,
+                                                       p.dtype)
+                    store = piece_store(box.view(-1), st["host_master"].view(-1), outbox=True)
                 st["acc_count"] = 0
                 st["host_step"] += 1
                 st["host_pending"] = True
@@ -519,8 +535,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if st and st.get("host_pending"):
                     box = outboxes.get(p)  # the job's result, already in p's dtype
-                    src = (self.link.to_device(box, p.device) if box is not None else
-                           self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
+                    if box is not None:  # pinned; the next job waits for this copy (launch)
+                        src = self.link.to_device(box, p.device, non_blocking=True)
+                    elif p.device.type == "cpu" and p.dtype == torch.float32:
+                        src = st["host_master"]  # one memory: nothing crosses, nothing waits
+                        self.link.count_h2d(src.numel() * src.element_size())
+                    else:  # a result loaded from a checkpoint: no outbox yet
+                        src = self.link.to_device(st["host_master"], p.device, dtype=p.dtype)
                     self.ops.scatter_columns(view2d(p.detach()),
                                              self._host_idx_on_device(p, st), src)
                     st["host_pending"] = False

@@ -45,7 +45,15 @@ def to_host_memory(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
 
 
 class Link:
-    """Counts bytes per direction; thread-safe (the host worker copies too)."""
+    """Counts bytes per direction, and the training thread's transfers by kind; thread-safe
+    (the host worker copies too).
+
+    ``blocking_transfers`` counts the copies made through :meth:`to_host` and blocking
+    :meth:`to_device` calls: on a GPU the calling thread waits for each (and for the work
+    queued before it), so a step's count is what a CPU run cannot time.
+    ``async_transfers`` counts non-blocking :meth:`to_device` calls. Both count on a
+    CPU-only run too, where the copy may be skipped: they describe the GPU path.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -53,6 +61,8 @@ class Link:
         self._local = threading.local()  # per thread: its bounce buffers, by dtype
         self.bytes_d2h = 0
         self.bytes_h2d = 0
+        self.blocking_transfers = 0
+        self.async_transfers = 0
 
     def _count(self, d2h: int = 0, h2d: int = 0) -> None:
         with self._lock:
@@ -63,21 +73,38 @@ class Link:
         """Copy a device tensor into new host memory (cast after the transfer: the link
         carries ``src``'s dtype)."""
         self._count(d2h=src.numel() * src.element_size())
+        with self._lock:
+            self.blocking_transfers += 1
         out = host_empty(src.shape, src.dtype)
         out.copy_(src, non_blocking=False)
         return out if dtype is None or dtype == src.dtype else out.to(dtype)
 
     def to_device(self, src: torch.Tensor, device: torch.device,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+                  dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
         """``src`` on ``device``; cast on the host first when ``dtype`` is given (the link
         carries the narrower type). The result may be ``src`` itself where host and device
-        are one memory: callers only read it or own it."""
+        are one memory: callers only read it or own it.
+
+        ``non_blocking=True``: the copy is queued on the current stream and the calling
+        thread goes on. ``src`` must then be pinned (where CUDA exists) and must not be
+        rewritten until the work queued so far is done: its writer waits for that (see
+        :meth:`CopyQueue.wait_launched`)."""
         if dtype is not None and dtype != src.dtype:
+            if non_blocking:
+                raise ValueError("to_device: a cast makes a pageable temporary; give a pinned "
+                                 "buffer of the target dtype for a non-blocking copy")
             src = src.to(dtype)
         self._count(h2d=src.numel() * src.element_size())
+        with self._lock:
+            if non_blocking:
+                self.async_transfers += 1
+            else:
+                self.blocking_transfers += 1
         if src.device == torch.device(device):
             return src  # CPU-only run: the "device" already holds it; counted all the same
-        return src.to(device, non_blocking=False)
+        if non_blocking and host_can_pin() and src.device.type == "cpu" and not src.is_pinned():
+            raise ValueError("to_device: a non-blocking copy needs a pinned source")
+        return src.to(device, non_blocking=non_blocking)
 
     def count_d2h(self, nbytes: int) -> None:
         self._count(d2h=nbytes)
@@ -124,14 +151,31 @@ class CopyQueue:
         self.timeout = float(timeout)
         self._link = link
         self._streams: dict[torch.device, object] = {}
+        self._launched: list = []  # per device: the event recorded at launch, until reached
         for dev in {torch.device(d) for d in devices}:
             if dev.type != "cuda":
                 continue
             dev = torch.device("cuda", dev.index if dev.index is not None
                                else torch.cuda.current_device())
             stream = link._stream(dev)
-            stream.wait_event(torch.cuda.current_stream(dev).record_event())
+            launched = torch.cuda.current_stream(dev).record_event()
+            stream.wait_event(launched)
             self._streams[dev] = stream
+            self._launched.append(launched)
+
+    def wait_launched(self) -> None:
+        """Block the calling (host) thread until the work the training thread queued before
+        this queue was made is done: the non-blocking copies that read a host buffer this
+        job is about to rewrite (an outbox applied at an earlier boundary). Bounded; a no-op
+        on CPU and once reached."""
+        for event in self._launched:
+            deadline = time.monotonic() + self.timeout
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"work queued before the host job did not finish within "
+                                       f"{self.timeout} s")
+                time.sleep(_POLL_S)
+        self._launched = []
 
     def _on(self, *tensors: torch.Tensor):
         for t in tensors:

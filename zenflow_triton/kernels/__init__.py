@@ -10,8 +10,13 @@ Signatures (all in place unless they return):
   |g| ("l1"), added into ``out`` when given.
 * ``selective_adamw(p2d, g2d, idx, m, v, master, *, lr, beta1, beta2, eps, weight_decay,
   step)``: AdamW on columns ``idx`` of ``p2d`` with compact fp32 state [rows, k].
+* ``selective_adamw_accumulate(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
+  host_idxs, *, lr, beta1, beta2, eps, weight_decay)``: the device half of a step for many
+  matrix params sharing the hyperparameters: selective AdamW on each one's device-owned
+  columns and ``accs[i] += g2ds[i][:, host_idxs[i]]`` (skipped where ``accs[i]`` is None),
+  reading each gradient once; one launch per dtype pair on the Triton backend.
 * ``adamw(params, grads, ms, vs, masters, steps, *, lr, beta1, beta2, eps, weight_decay)``:
-  full AdamW over a list of tensors sharing the hyperparameters.
+  full AdamW over a list of tensors sharing the hyperparameters (one launch per dtype pair).
 * ``accumulate_columns(acc, g2d, idx, scale)``: acc += scale * g2d[:, idx] (fp32 acc).
 * ``gather_columns(src2d, idx, dtype=None) -> [rows, k]`` and
   ``scatter_columns(dst2d, idx, src)``: column moves with a cast.
@@ -31,6 +36,7 @@ from .column_scores import column_scores_ref
 from .columns import gather_columns_ref, scatter_columns_ref
 from .finite import nonfinite_flags
 from .selective_adamw import selective_adamw_ref
+from .selective_adamw_multi import selective_adamw_accumulate_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -40,6 +46,7 @@ class KernelOps:
     name: str
     column_scores: Callable
     selective_adamw: Callable
+    selective_adamw_accumulate: Callable
     adamw: Callable
     accumulate_columns: Callable
     gather_columns: Callable
@@ -50,6 +57,7 @@ TORCH_OPS = KernelOps(
     name="torch",
     column_scores=column_scores_ref,
     selective_adamw=selective_adamw_ref,
+    selective_adamw_accumulate=selective_adamw_accumulate_ref,
     adamw=adamw_ref,
     accumulate_columns=accumulate_columns_ref,
     gather_columns=gather_columns_ref,

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from . import _launch
+from . import _launch, _multi
 from ..adamw_math import adamw_
 from .columns import cast_rtne
 from .selective_adamw import _adamw_math
@@ -59,6 +60,44 @@ def _adamw_kernel(
     tl.store(p_ptr + offs, cast_rtne(w, p_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
+@triton.jit
+def _adamw_multi_kernel(
+    meta_ptr, cum_ptr, hyper_ptr, n_tensors,
+    p_like_ptr, g_like_ptr,  # the element types of the params and grads of this launch
+    decay, lerp_w, beta2, one_minus_beta2, eps,
+    W: tl.constexpr, SEARCH: tl.constexpr,
+    HAS_MASTER: tl.constexpr,  # as in _adamw_kernel
+    SOFT_BF16: tl.constexpr,   # see columns.cast_rtne
+    BLOCK: tl.constexpr,
+):
+    # _adamw_kernel over many flat tensors: a table row per tensor (p, g, m, v, master
+    # addresses, numel), per-tensor step size and bias correction; see _multi.
+    i, t = _multi.tensor_of(tl.program_id(0).to(tl.int64), cum_ptr, n_tensors, SEARCH)
+    row = meta_ptr + i * W
+    n = tl.load(row + 5)
+    offs = t * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(p_like_ptr.dtype.element_ty))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_like_ptr.dtype.element_ty))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    if HAS_MASTER:
+        master_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        w = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    else:
+        w = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w, m, v = _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps,
+                          tl.load(hyper_ptr + 2 * i), tl.load(hyper_ptr + 2 * i + 1))
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if HAS_MASTER:
+        tl.store(master_ptr + offs, w, mask=mask)
+    tl.store(p_ptr + offs, cast_rtne(w, p_like_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+
+
 def _check(name: str, i: int, t: torch.Tensor, p: torch.Tensor, fp32: bool) -> None:
     if t.numel() != p.numel() or t.device != p.device or not t.is_contiguous() \
             or (fp32 and t.dtype != torch.float32):
@@ -100,6 +139,65 @@ def adamw_scalars_launch(params: Sequence[torch.Tensor], grads: Sequence[torch.T
             HAS_MASTER=master is not None, SOFT_BF16=soft_bf16, BLOCK=block,
             num_warps=num_warps,
         )
+
+
+def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
+                masters: Sequence[torch.Tensor | None], steps: Sequence[int], *, lr: float,
+                beta1: float, beta2: float, eps: float, weight_decay: float) -> int:
+    """The eager launcher: same contract as :func:`adamw_ref`, one launch per pair of param
+    dtype and grad dtype (a table row per tensor, see ``_multi``), bit for bit what
+    :func:`adamw_scalars_launch` gives. Returns the number of launches."""
+    from .selective_adamw import adamw_scalars
+
+    _launch.require_triton(triton)
+    n_t = len(params)
+    if not (len(grads) == len(ms) == len(vs) == len(masters) == len(steps) == n_t):
+        raise ValueError("adamw: params, grads, ms, vs, masters and steps must have one length")
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n_t):
+        p, g, master = params[i], grads[i], masters[i]
+        _check("params", i, p, p, fp32=False)
+        for name, t in (("ms", ms[i]), ("vs", vs[i])) + ((("masters", master),)
+                                                         if master is not None else ()):
+            _check(name, i, t, p, fp32=True)
+        if g.numel() != p.numel() or g.device != p.device:
+            raise ValueError(f"grads[{i}] has {g.numel()} elements on {g.device}, params[{i}] "
+                             f"{p.numel()} on {p.device}")
+        if (master is not None) != (p.dtype != torch.float32):
+            raise ValueError(f"params[{i}] is {p.dtype}: it needs "
+                             f"{'an fp32 master' if p.dtype != torch.float32 else 'no master'}")
+        if p.numel():
+            groups.setdefault((p.device, p.dtype, g.dtype), []).append(i)
+    launches = 0
+    for (device, p_dtype, _), members in groups.items():
+        block, num_warps = _launch.block_1d(max(params[i].numel() for i in members))
+        meta, hyper, tiles, keep = [], [], [], []
+        s0 = None
+        for i in members:
+            g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
+            keep.append(g)  # a contiguous copy must outlive the launch: its address is in the table
+            s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, steps[i])
+            s0 = s0 or s
+            meta.append([params[i].data_ptr(), g.data_ptr(), ms[i].data_ptr(),
+                         vs[i].data_ptr(), masters[i].data_ptr() if masters[i] is not None
+                         else 0, params[i].numel()])
+            hyper.extend((s["neg_step_size"], s["bc2_sqrt"]))
+            tiles.append(_launch.cdiv(params[i].numel(), block))
+        cum = _multi.cumulative(tiles)
+        first = members[0]
+        _adamw_multi_kernel[(int(cum[-1]),)](
+            _multi.to_device_table(np.asarray(meta, dtype=np.int64), device),
+            _multi.to_device_table(cum, device),
+            _multi.to_device_table(np.asarray(hyper, dtype=np.float32), device),
+            len(members), params[first], grads[first],
+            s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
+            W=6, SEARCH=_multi.search_steps(len(members)),
+            HAS_MASTER=p_dtype != torch.float32, SOFT_BF16=_launch.interpreting(),
+            BLOCK=block, num_warps=num_warps,
+        )
+        launches += 1
+    return launches
 
 
 def adamw_ref(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],

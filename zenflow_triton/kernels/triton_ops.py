@@ -28,7 +28,10 @@ from .adamw import adamw_scalars_launch as _adamw_launch
 from .column_scores import column_scores as _column_scores_launch
 from .columns import gather_columns as _gather_columns_launch
 from .columns import scatter_columns as _scatter_columns_launch
+from .adamw import adamw_multi as _adamw_multi
 from .selective_adamw import adamw_scalars
+from .selective_adamw_multi import \
+    selective_adamw_accumulate as _selective_adamw_accumulate_multi
 from .selective_adamw import selective_adamw_scalars as _selective_adamw_launch
 
 NAMESPACE = "zenflow_triton"
@@ -111,6 +114,11 @@ def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     if len(params) == 0:
         return
+    if not torch.compiler.is_compiling():  # eager: one multi-tensor launch per dtype pair
+        _adamw_multi(params, grads, ms, vs, masters, steps, lr=lr, beta1=beta1, beta2=beta2,
+                     eps=eps, weight_decay=weight_decay)
+        return
+    # Under torch.compile: the registered op (a table of addresses cannot be traced).
     scal = [adamw_scalars(lr, beta1, beta2, eps, weight_decay, s) for s in steps]
     if len(scal) != len(params):
         raise ValueError(f"adamw: {len(params)} params but {len(scal)} steps")
@@ -119,6 +127,24 @@ def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         list(params), list(grads), list(ms), list(vs), list(masters), s0["decay"],
         s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
         [s["neg_step_size"] for s in scal], [s["bc2_sqrt"] for s in scal])
+
+
+def selective_adamw_accumulate(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, host_idxs,
+                               *, lr: float, beta1: float, beta2: float, eps: float,
+                               weight_decay: float) -> None:
+    """Eager: one multi-tensor launch per dtype pair. Under torch.compile: the registered
+    per-param ops (a table of addresses cannot be traced)."""
+    if not torch.compiler.is_compiling():
+        _selective_adamw_accumulate_multi(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
+                                          host_idxs, lr=lr, beta1=beta1, beta2=beta2,
+                                          eps=eps, weight_decay=weight_decay)
+        return
+    for i in range(len(p2ds)):
+        selective_adamw(p2ds[i], g2ds[i], dev_idxs[i], ms[i], vs[i], masters[i], lr=lr,
+                        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                        step=steps[i])
+        if accs[i] is not None and host_idxs[i] is not None:
+            accumulate_columns(accs[i], g2ds[i], host_idxs[i], 1.0)
 
 
 def accumulate_columns(acc: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
@@ -143,6 +169,7 @@ TRITON_OPS = KernelOps(
     name="triton",
     column_scores=column_scores,
     selective_adamw=selective_adamw,
+    selective_adamw_accumulate=selective_adamw_accumulate,
     adamw=adamw,
     accumulate_columns=accumulate_columns,
     gather_columns=gather_columns,

@@ -1,0 +1,66 @@
+"""Multi-tensor launches: one kernel launch for many tensors, through a table.
+
+A multi-tensor kernel gets, instead of one tensor's pointers, a table with one row of int64
+fields per tensor (addresses, sizes, strides) and the cumulative count of tiles before each
+tensor. Program ``pid`` finds its tensor by a binary search over that count
+(:func:`tensor_of`), then loads the row and casts the addresses to typed pointers. So the
+number of launches per step depends on the param groups and dtypes, not on the params, and
+a launch costs one small host-to-device copy of its tables (non-blocking from pinned
+memory on CUDA) instead of a custom-op dispatch per tensor.
+
+No Triton import at module level beyond the guarded one: the table building is plain
+Python/numpy, usable without Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # no Triton: the table helpers below still work
+    from ._launch import NoTriton as triton
+    triton.error = e
+
+
+@triton.jit
+def tensor_of(pid, cum_ptr, n_tensors, SEARCH: tl.constexpr):
+    """The row i of the tensor that program ``pid`` works on: the largest i < n_tensors with
+    cum[i] <= pid (cum[0] = 0, non-decreasing), in SEARCH = bit_length(n_tensors) halvings;
+    and pid's tile number within that tensor."""
+    lo = pid * 0  # int64 zero
+    hi = lo + n_tensors
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        go = tl.load(cum_ptr + mid) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    return lo, pid - tl.load(cum_ptr + lo)
+
+
+def search_steps(n_tensors: int) -> int:
+    """The constexpr SEARCH of :func:`tensor_of` for a table of ``n_tensors`` rows."""
+    return max(1, int(n_tensors).bit_length())
+
+
+def to_device_table(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host table on ``device``: on CUDA a non-blocking copy from pinned memory (the
+    pinned block is not reused before the copy is done: torch's caching host allocator
+    records the stream), elsewhere the table itself."""
+    t = torch.from_numpy(np.ascontiguousarray(rows))
+    if device.type == "cpu":
+        return t
+    if torch.cuda.is_available():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def cumulative(tiles: Sequence[int]) -> np.ndarray:
+    """[0, t0, t0 + t1, ...] as int64: the tile count before each tensor, and the total."""
+    out = np.zeros(len(tiles) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(tiles, dtype=np.int64), out=out[1:])
+    return out

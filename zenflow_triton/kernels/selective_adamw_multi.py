@@ -1,0 +1,209 @@
+"""The device half of one step for many matrix params in one launch: AdamW on each param's
+device-owned columns, and the gradient of its host-owned columns added to its window
+accumulator, reading each gradient once.
+
+Per param i (2-D views; see :func:`selective_adamw_accumulate_ref`, the contract):
+
+* ``dev_idxs[i]`` [k] sorted int64: AdamW as :func:`selective_adamw_ref` with the compact
+  fp32 state ``ms[i]``, ``vs[i]`` (and ``masters[i]`` for low-precision params), Adam step
+  ``steps[i]``; skipped when k = 0;
+* ``accs[i]`` fp32 [rows, n] with ``host_idxs[i]`` [n]: ``accs[i] += g[:, host_idxs[i]]``;
+  skipped when ``accs[i]`` is None or n = 0.
+
+Triton kernel -> launcher :func:`selective_adamw_accumulate` (one launch per param dtype
+and grad dtype; a table row per param, see ``_multi``) -> torch reference. The arithmetic
+is the one of the single-param kernels (``selective_adamw._adamw_math``, the accumulate's
+add), op for op, so a multi-tensor launch gives bit for bit what per-param launches give.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import _launch, _multi
+from .accumulate import accumulate_columns_ref
+from .columns import _check_idx, cast_rtne, column_tile
+from .selective_adamw import _adamw_math, _check_state, adamw_scalars, selective_adamw_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # no Triton: the reference below still works
+    from ._launch import NoTriton as triton
+    triton.error = e
+
+# Table row: addresses, then sizes and strides (int64), then the param's tile count.
+(_P, _G, _DIDX, _M, _V, _MASTER, _ACC, _HIDX, _ROWS, _K, _N, _PSR, _PSC, _GSR, _GSC,
+ _ADAM_TILES) = range(16)
+_W = 16
+
+
+@triton.jit
+def _selective_adamw_accumulate_kernel(
+    meta_ptr, cum_ptr, hyper_ptr, n_tensors,
+    p_like_ptr, g_like_ptr,  # the element types of the params and grads of this launch
+    decay, lerp_w, beta2, one_minus_beta2, eps,
+    W: tl.constexpr, SEARCH: tl.constexpr,
+    HAS_MASTER: tl.constexpr,  # low-precision params: the weight lives in the fp32 master
+    SOFT_BF16: tl.constexpr,   # see columns.cast_rtne
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    i, t = _multi.tensor_of(tl.program_id(0).to(tl.int64), cum_ptr, n_tensors, SEARCH)
+    row = meta_ptr + i * W
+    rows = tl.load(row + 8)
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_like_ptr.dtype.element_ty))
+    g_sr = tl.load(row + 13)
+    g_sc = tl.load(row + 14)
+    adam_tiles = tl.load(row + 15)
+    if t < adam_tiles:  # a tile of the device-owned columns: AdamW
+        k = tl.load(row + 9)
+        idx_ptr = tl.load(row + 2).to(tl.pointer_type(tl.int64))
+        offs_r, offs_k, cols, mask = column_tile(t, rows, k, idx_ptr, BLOCK_R, BLOCK_K)
+        state = offs_r[:, None] * k + offs_k[None, :]
+        p_ptr = tl.load(row + 0).to(tl.pointer_type(p_like_ptr.dtype.element_ty))
+        p_ptrs = p_ptr + offs_r[:, None] * tl.load(row + 11) + (cols * tl.load(row + 12))[None, :]
+        m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        g = tl.load(g_ptr + offs_r[:, None] * g_sr + (cols * g_sc)[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + state, mask=mask, other=0.0)
+        v = tl.load(v_ptr + state, mask=mask, other=0.0)
+        if HAS_MASTER:
+            master_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+            w = tl.load(master_ptr + state, mask=mask, other=0.0)
+        else:
+            w = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+        neg_step_size = tl.load(hyper_ptr + 2 * i)
+        bc2_sqrt = tl.load(hyper_ptr + 2 * i + 1)
+        w, m, v = _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps,
+                              neg_step_size, bc2_sqrt)
+        tl.store(m_ptr + state, m, mask=mask)
+        tl.store(v_ptr + state, v, mask=mask)
+        if HAS_MASTER:
+            tl.store(master_ptr + state, w, mask=mask)
+        tl.store(p_ptrs, cast_rtne(w, p_like_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    else:  # a tile of the host-owned columns: acc += g[:, host_idx]
+        n = tl.load(row + 10)
+        idx_ptr = tl.load(row + 7).to(tl.pointer_type(tl.int64))
+        offs_r, offs_k, cols, mask = column_tile(t - adam_tiles, rows, n, idx_ptr,
+                                                 BLOCK_R, BLOCK_K)
+        g = tl.load(g_ptr + offs_r[:, None] * g_sr + (cols * g_sc)[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        acc_ptrs = (tl.load(row + 6).to(tl.pointer_type(tl.float32))
+                    + offs_r[:, None] * n + offs_k.to(tl.int64)[None, :])
+        acc = tl.load(acc_ptrs, mask=mask, other=0.0)
+        tl.store(acc_ptrs, acc + 1.0 * g, mask=mask)  # as accumulate_columns at scale 1.0
+
+
+def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torch.Tensor],
+                               dev_idxs: Sequence[torch.Tensor], ms: Sequence[torch.Tensor],
+                               vs: Sequence[torch.Tensor],
+                               masters: Sequence[torch.Tensor | None], steps: Sequence[int],
+                               accs: Sequence[torch.Tensor | None],
+                               host_idxs: Sequence[torch.Tensor | None], *, lr: float,
+                               beta1: float, beta2: float, eps: float,
+                               weight_decay: float) -> int:
+    """Triton launcher; same contract as :func:`selective_adamw_accumulate_ref`. Returns the
+    number of kernel launches (one per pair of param dtype and grad dtype that has work)."""
+    _launch.require_triton(triton)
+    n_t = len(p2ds)
+    if not (len(g2ds) == len(dev_idxs) == len(ms) == len(vs) == len(masters) == len(steps)
+            == len(accs) == len(host_idxs) == n_t):
+        raise ValueError("selective_adamw_accumulate: every list needs one entry per param")
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n_t):
+        p, g = p2ds[i], g2ds[i]
+        if p.dim() != 2 or g.shape != p.shape or g.device != p.device:
+            raise ValueError(f"param {i}: p2d and g2d must be 2-D of one shape on one device, "
+                             f"got {tuple(p.shape)} and {tuple(g.shape)}")
+        rows, k = p.shape[0], dev_idxs[i].numel()
+        _check_idx(dev_idxs[i], p.device)
+        if k:
+            for name, t in ((("m", ms[i]), ("v", vs[i]))
+                            + ((("master", masters[i]),) if masters[i] is not None else ())):
+                _check_state(f"{name}[{i}]", t, rows, k, p.device)
+            if (masters[i] is not None) != (p.dtype != torch.float32):
+                raise ValueError(f"param {i}: a {p.dtype} param needs "
+                                 f"{'an fp32 master' if p.dtype != torch.float32 else 'no master'}")
+        if accs[i] is not None and host_idxs[i] is not None and host_idxs[i].numel():
+            _check_idx(host_idxs[i], p.device)
+            _check_state(f"acc[{i}]", accs[i], rows, host_idxs[i].numel(), p.device)
+        groups.setdefault((p.device, p.dtype, g.dtype), []).append(i)
+    launches = 0
+    for (device, p_dtype, _), members in groups.items():
+        launches += _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
+                                  host_idxs, device, p_dtype != torch.float32,
+                                  lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay)
+    return launches
+
+
+def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, host_idxs,
+                  device, has_master, *, lr, beta1, beta2, eps, weight_decay) -> int:
+    max_rows = max(p2ds[i].shape[0] for i in members)
+    max_cols = max(p2ds[i].shape[1] for i in members)
+    block_r, block_k, num_warps = _launch.tile_2d(max_rows, max_cols)
+    rows_meta, hyper, tiles, order = [], [], [], []
+    s0 = None
+    for i in members:
+        p, g = p2ds[i], g2ds[i]
+        rows = p.shape[0]
+        k = dev_idxs[i].numel()
+        acc, hidx = accs[i], host_idxs[i]
+        n = hidx.numel() if acc is not None and hidx is not None else 0
+        adam_tiles = _launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k) if rows else 0
+        acc_tiles = _launch.cdiv(rows, block_r) * _launch.cdiv(n, block_k) if rows else 0
+        if adam_tiles + acc_tiles == 0:
+            continue
+        s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, steps[i] if k else 1)
+        s0 = s0 or s
+        row = [0] * _W
+        row[_P], row[_G] = p.data_ptr(), g.data_ptr()
+        if k:
+            row[_DIDX], row[_M], row[_V] = (dev_idxs[i].data_ptr(), ms[i].data_ptr(),
+                                           vs[i].data_ptr())
+            if masters[i] is not None:
+                row[_MASTER] = masters[i].data_ptr()
+        if n:
+            row[_ACC], row[_HIDX] = acc.data_ptr(), hidx.data_ptr()
+        row[_ROWS], row[_K], row[_N] = rows, k, n
+        row[_PSR], row[_PSC] = p.stride(0), p.stride(1)
+        row[_GSR], row[_GSC] = g.stride(0), g.stride(1)
+        row[_ADAM_TILES] = adam_tiles
+        rows_meta.append(row)
+        hyper.extend((s["neg_step_size"], s["bc2_sqrt"]))
+        tiles.append(adam_tiles + acc_tiles)
+        order.append(i)
+    if not order:
+        return 0
+    cum = _multi.cumulative(tiles)
+    meta = _multi.to_device_table(np.asarray(rows_meta, dtype=np.int64), device)
+    cum_t = _multi.to_device_table(cum, device)
+    hyper_t = _multi.to_device_table(np.asarray(hyper, dtype=np.float32), device)
+    first = order[0]
+    _selective_adamw_accumulate_kernel[(int(cum[-1]),)](
+        meta, cum_t, hyper_t, len(order), p2ds[first], g2ds[first],
+        s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
+        W=_W, SEARCH=_multi.search_steps(len(order)), HAS_MASTER=has_master,
+        SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
+    return 1
+
+
+def selective_adamw_accumulate_ref(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
+                                   host_idxs, *, lr: float, beta1: float, beta2: float,
+                                   eps: float, weight_decay: float) -> int:
+    """The contract: per param, :func:`selective_adamw_ref` on the device-owned columns, then
+    :func:`accumulate_columns_ref` of the host-owned ones. Returns 0 (no kernel launches)."""
+    for i in range(len(p2ds)):
+        if dev_idxs[i].numel():
+            selective_adamw_ref(p2ds[i], g2ds[i], dev_idxs[i], ms[i], vs[i], masters[i],
+                                lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay, step=steps[i])
+        if accs[i] is not None and host_idxs[i] is not None and host_idxs[i].numel():
+            accumulate_columns_ref(accs[i], g2ds[i], host_idxs[i], 1.0)
+    return 0
