@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .config import ZenFlowConfig
-from .host import HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError, PieceIO
+from .host import (HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError, Outboxes,
+                   PieceIO)
 from .kernels import KernelOps, get_ops, nonfinite_flags, triton_available
 from .partition import (MATRIX, SMALL, classify, init_matrix_state, migrate, new_accumulator,
                         num_selected, select_columns, view2d)
@@ -130,7 +131,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._stored_by_job: list[torch.Tensor] = []
         # Per-param host buffers in the param's dtype (pinned where CUDA exists) that a
         # deferred job fills with its result piece by piece; the apply copies them as they are.
-        self._outbox: dict[torch.Tensor, torch.Tensor] = {}
+        self._outboxes = Outboxes()  # per-param views of one pinned arena per dtype
         self._job_outbox: dict[torch.Tensor, torch.Tensor] = {}
         self._closed = False
         self._training = True
@@ -368,8 +369,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``cache[p]``: a host buffer of ``shape`` and ``dtype`` (pinned where CUDA exists),
         reused across windows; reallocated only when a reselection changed the host-owned
-        column count. ``self._staging`` holds the window gradients (fp32), ``self._outbox``
-        the deferred results (the param's dtype)."""
+        column count. ``self._staging`` holds the window gradients (fp32); the results in the
+        params' dtypes go to ``self._outboxes`` (one arena per dtype)."""
         buf = cache.get(p)
         if buf is None or buf.shape != torch.Size(shape):
             buf = cache[p] = host_empty(shape, dtype)
@@ -403,7 +404,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         tasks = []
         stage: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
         stored: list[torch.Tensor] = []  # params whose copy-out the job does
-        outboxes: dict[torch.Tensor, torch.Tensor] = {}
+        outboxes: dict[torch.Tensor, torch.Tensor] = {}  # planned once the loop is done
+        box_items = []
         devices: set[torch.device] = set()
         queue = None  # the job's CopyQueue, made below once the devices are known
 
@@ -414,12 +416,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     queue.zero_(flat[s:e])
             return load
 
-        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor,
-                        outbox: bool = False):
+        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor):
             def store(s: int, e: int) -> None:
-                if outbox:  # the last apply's non-blocking copy may still read it
-                    queue.wait_launched()
                 queue.copy(param_flat[s:e], master_flat[s:e])
+            return store
+
+        def outbox_store(p: torch.Tensor, master_flat: torch.Tensor):
+            def store(s: int, e: int) -> None:
+                queue.wait_launched()  # the last apply's non-blocking copy may still read it
+                queue.copy(outboxes[p].view(-1)[s:e], master_flat[s:e])
             return store
 
         for group in self.param_groups:
@@ -453,9 +458,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     store = piece_store(p.detach().view(-1), st["host_master"].view(-1))
                     stored.append(p)
                 elif p.device.type == "cuda" or p.dtype != torch.float32:
-                    box = outboxes[p] = self._reusable(self._outbox, p, st["host_master"].shape,
-                                                       p.dtype)
-                    store = piece_store(box.view(-1), st["host_master"].view(-1), outbox=True)
+                    box_items.append((p, st["host_master"].shape, p.dtype, p.device))
+                    store = outbox_store(p, st["host_master"].view(-1))
                 st["acc_count"] = 0
                 st["host_step"] += 1
                 st["host_pending"] = True
@@ -468,6 +472,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                              + ((io,) if io else ()))
         if not tasks:
             return
+        outboxes.update(self._outboxes.plan(box_items))
         adamw = self._host_adamw
         queue = self.link.copy_queue(devices, self.config.host_timeout)
         copied_in = threading.Event()
@@ -530,21 +535,26 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self.state[p]["host_pending"] = False
         self._stored_by_job = []
         outboxes, self._job_outbox = self._job_outbox, {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state.get(p)
-                if st and st.get("host_pending"):
-                    box = outboxes.get(p)  # the job's result, already in p's dtype
-                    if box is not None:  # pinned; the next job waits for this copy (launch)
-                        src = self.link.to_device(box, p.device, non_blocking=True)
-                    elif p.device.type == "cpu" and p.dtype == torch.float32:
-                        src = st["host_master"]  # one memory: nothing crosses, nothing waits
-                        self.link.count_h2d(src.numel() * src.element_size())
-                    else:  # a result loaded from a checkpoint: no outbox yet
-                        src = self.link.to_device(st["host_master"], p.device, dtype=p.dtype)
-                    self.ops.scatter_columns(view2d(p.detach()),
-                                             self._host_idx_on_device(p, st), src)
-                    st["host_pending"] = False
+        pending = [(p, st) for group in self.param_groups for p in group["params"]
+                   for st in (self.state.get(p),) if st and st.get("host_pending")]
+        if not pending:
+            return
+        # The job's results, already in each param's dtype: one non-blocking copy per arena
+        # (the next job waits for it before it rewrites an outbox: CopyQueue.wait_launched).
+        boxed = self._outboxes.to_device(self.link, [p for p, _ in pending if p in outboxes])
+        srcs = []
+        for p, st in pending:
+            if p in boxed:
+                srcs.append(boxed[p])
+            elif p.device.type == "cpu" and p.dtype == torch.float32:
+                srcs.append(st["host_master"])  # one memory: nothing crosses, nothing waits
+                self.link.count_h2d(st["host_master"].numel() * 4)
+            else:  # a result loaded from a checkpoint: no outbox yet (once, blocking)
+                srcs.append(self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
+            st["host_pending"] = False
+        self.ops.scatter_columns_multi([view2d(p.detach()) for p, _ in pending],
+                                       [self._host_idx_on_device(p, st) for p, st in pending],
+                                       srcs)
 
     # ------------------------------------------------------------------ public helpers
     def synchronize(self) -> None:
@@ -587,8 +597,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=dev_elems / total if total else 0.0,
                     host_staging_bytes=sum(b.numel() * b.element_size()
-                                           for d in (self._staging, self._outbox)
-                                           for b in d.values())
+                                           for b in self._staging.values())
+                    + self._outboxes.nbytes()
                     + self._host_adamw.scratch_bytes(),
                     host_inflight=self._inflight is not None, **self._counters)
 
@@ -666,6 +676,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._wait_inflight()
         # What the finished job left for its apply belongs to the state being replaced.
         self._stored_by_job, self._job_outbox, self._copy_in = [], {}, None
+        self._outboxes.clear_plan()
         self._direct.clear()
         meta = state_dict.get(_SD_KEY, {})
         if meta.get("version", _SD_VERSION) > _SD_VERSION:

@@ -1,6 +1,7 @@
 """The host half: AdamW over host-owned columns, run by a background worker."""
 
 from .adamw import HostAdamW, HostHyper, PieceIO
+from .outbox import Outboxes
 from .worker import HostJob, HostWorker, HostWorkerError
 
-__all__ = ["HostAdamW", "HostHyper", "PieceIO", "HostJob", "HostWorker", "HostWorkerError"]
+__all__ = ["HostAdamW", "HostHyper", "Outboxes", "PieceIO", "HostJob", "HostWorker", "HostWorkerError"]

@@ -20,6 +20,8 @@ Signatures (all in place unless they return):
 * ``accumulate_columns(acc, g2d, idx, scale)``: acc += scale * g2d[:, idx] (fp32 acc).
 * ``gather_columns(src2d, idx, dtype=None) -> [rows, k]`` and
   ``scatter_columns(dst2d, idx, src)``: column moves with a cast.
+* ``scatter_columns_multi(dst2ds, idxs, srcs)``: ``scatter_columns`` for many params (the
+  apply of a window), one launch per dtype pair on the Triton backend.
 
 Shared by both backends: ``nonfinite_flags(grads) -> bool [n]`` on the device (``finite.py``:
 one multi-tensor reduction, read by the caller once per step).
@@ -35,6 +37,7 @@ from .adamw import adamw_ref
 from .column_scores import column_scores_ref
 from .columns import gather_columns_ref, scatter_columns_ref
 from .finite import nonfinite_flags
+from .scatter_multi import scatter_columns_multi_ref
 from .selective_adamw import selective_adamw_ref
 from .selective_adamw_multi import selective_adamw_accumulate_ref
 
@@ -51,6 +54,7 @@ class KernelOps:
     accumulate_columns: Callable
     gather_columns: Callable
     scatter_columns: Callable
+    scatter_columns_multi: Callable
 
 
 TORCH_OPS = KernelOps(
@@ -62,6 +66,7 @@ TORCH_OPS = KernelOps(
     accumulate_columns=accumulate_columns_ref,
     gather_columns=gather_columns_ref,
     scatter_columns=scatter_columns_ref,
+    scatter_columns_multi=scatter_columns_multi_ref,
 )
 
 

@@ -30,6 +30,7 @@ from .columns import gather_columns as _gather_columns_launch
 from .columns import scatter_columns as _scatter_columns_launch
 from .adamw import adamw_multi as _adamw_multi
 from .selective_adamw import adamw_scalars
+from .scatter_multi import scatter_columns_multi as _scatter_columns_multi
 from .selective_adamw_multi import \
     selective_adamw_accumulate as _selective_adamw_accumulate_multi
 from .selective_adamw import selective_adamw_scalars as _selective_adamw_launch
@@ -165,6 +166,16 @@ def scatter_columns(dst2d: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -
     torch.ops.zenflow_triton.scatter_columns_(dst2d, idx, src)
 
 
+def scatter_columns_multi(dst2ds, idxs, srcs) -> None:
+    """Eager: one multi-tensor launch per dtype pair. Under torch.compile: the registered
+    per-param op."""
+    if not torch.compiler.is_compiling():
+        _scatter_columns_multi(dst2ds, idxs, srcs)
+        return
+    for dst, idx, src in zip(dst2ds, idxs, srcs):
+        scatter_columns(dst, idx, src)
+
+
 TRITON_OPS = KernelOps(
     name="triton",
     column_scores=column_scores,
@@ -174,4 +185,5 @@ TRITON_OPS = KernelOps(
     accumulate_columns=accumulate_columns,
     gather_columns=gather_columns,
     scatter_columns=scatter_columns,
+    scatter_columns_multi=scatter_columns_multi,
 )
