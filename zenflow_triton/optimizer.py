@@ -41,14 +41,15 @@ import time
 import weakref
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 from .config import ZenFlowConfig
 from .host import (HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError, Outboxes,
                    PieceIO)
 from .kernels import KernelOps, get_ops, nonfinite_flags, triton_available
-from .partition import (MATRIX, SMALL, classify, init_matrix_state, migrate, new_accumulator,
-                        num_selected, select_columns, view2d)
+from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
+                        new_accumulator, num_selected, select_columns, view2d)
 from .transfer import Link, host_empty, to_host_memory
 
 _SD_KEY = "zenflow"
@@ -289,16 +290,31 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._select([w for w in work if self.state[w[1]]["kind"] == MATRIX])
 
     def _select(self, items) -> None:
+        """Score and pick every param's columns on its device, bring all the picks to the
+        host in one copy per device, then migrate (partition.migrate_many): a few host syncs
+        per reselection whatever the number of params."""
+        picks: dict[torch.device, list] = {}
+        moves = []
         for group, p, g in items:
-            st = self.state[p]
             g2d = view2d(g)
-            k = num_selected(g2d.shape[1], self.config.topk_ratio)
-            scores = self.ops.column_scores(g2d, self.config.score)
-            idx = select_columns(scores, k)
+            cols = g2d.shape[1]
+            k = num_selected(cols, self.config.topk_ratio)
             beta1, beta2 = group["betas"]
-            self._counters["columns_migrated"] += migrate(
-                p, st, idx, beta1=beta1, beta2=beta2, ops=self.ops, link=self.link,
-                accumulate_on=self.config.accumulate_on)
+            if k in (0, cols):  # nothing to rank
+                moves.append(Move(p, self.state[p], np.arange(k, dtype=np.int64), beta1, beta2))
+                continue
+            idx = select_columns(self.ops.column_scores(g2d, self.config.score), k)
+            picks.setdefault(g.device, []).append((p, idx, beta1, beta2))
+        for device_picks in picks.values():
+            flat = self.link.to_host(torch.cat([idx for _, idx, _, _ in device_picks])).numpy()
+            off = 0
+            for p, idx, beta1, beta2 in device_picks:
+                n = idx.numel()
+                moves.append(Move(p, self.state[p], flat[off:off + n], beta1, beta2))
+                off += n
+        self._counters["columns_migrated"] += migrate_many(
+            moves, ops=self.ops, link=self.link, accumulate_on=self.config.accumulate_on,
+            host_idx_on_device=self._host_idx_dev)
 
     # ------------------------------------------------------------------ device half
     def _device_half(self, work, single_step_window: bool) -> None:

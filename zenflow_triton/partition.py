@@ -15,6 +15,10 @@ the destination's step count: m' = m * (1 - b1**s_dst) / (1 - b1**s_src), same f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 import torch
 
 from .config import ZenFlowConfig
@@ -103,98 +107,195 @@ def new_accumulator(rows: int, n: int, device: torch.device, accumulate_on: str)
 
 def migrate(p: torch.Tensor, st: dict, new_idx: torch.Tensor, *, beta1: float, beta2: float,
             ops: KernelOps, link: Link, accumulate_on: str) -> int:
-    """Make ``new_idx`` the device-owned columns of ``p``; return how many columns moved.
+    """:func:`migrate_many` for one param; ``new_idx`` the new device-owned columns (any
+    device, sorted)."""
+    return migrate_many([Move(p, st, new_idx.cpu().numpy(), beta1, beta2)], ops=ops,
+                        link=link, accumulate_on=accumulate_on)
 
-    Preconditions (the optimizer drains first): no host work in flight for ``p``, its host
-    result applied, its accumulator empty.
+
+@dataclass
+class Move:
+    """One param's new selection: ``new_idx`` the sorted device-owned columns (host numpy)."""
+    p: torch.Tensor
+    st: dict
+    new_idx: np.ndarray
+    beta1: float
+    beta2: float
+
+
+def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link, accumulate_on: str,
+                 host_idx_on_device: dict | None = None) -> int:
+    """Make each move's ``new_idx`` the device-owned columns of its param, carrying the fp32
+    master and moments of the columns that change owner (rescaled so their bias-corrected
+    values are unchanged under the destination's step count); return how many columns moved.
+
+    Preconditions (the optimizer drains first): no host work in flight, host results applied,
+    accumulators empty.
+
+    Host syncs, whatever the number of params: the bookkeeping of who moves where is done on
+    the host (numpy, from the host-side ``host_idx``), so per device the columns leaving the
+    device cross in one blocking copy (the host needs them), and the index tables and the
+    entering columns in one non-blocking copy each. ``host_idx_on_device``, when given, gets
+    ``{p: (st["host_idx"], that index on p's device)}`` for every param whose split changed
+    (uploaded with the other tables, so the next accumulation does not copy it itself).
     """
-    assert st["acc_count"] == 0 and not st["host_pending"], "migrate needs a drained param"
-    rows, cols = shape2d(p)
-    dev = p.device
-    old_dev = st["device_idx"]
-    old_host = st["host_idx"]
-    new_dev = new_idx.to(dev)
-    owner_new = torch.zeros(cols, dtype=torch.bool)
-    owner_new[new_dev.cpu()] = True
-    owner_old = torch.zeros(cols, dtype=torch.bool)
-    owner_old[old_dev.cpu()] = True
-    if torch.equal(owner_new, owner_old):
-        st["selected"] = True
-        return 0
+    moved = 0
+    plans = []
+    for mv in moves:
+        st = mv.st
+        assert st["acc_count"] == 0 and not st["host_pending"], "migrate needs a drained param"
+        rows, cols = shape2d(mv.p)
+        old_host = st["host_idx"].numpy()
+        owner_old = np.ones(cols, dtype=bool)
+        owner_old[old_host] = False
+        owner_new = np.zeros(cols, dtype=bool)
+        owner_new[mv.new_idx] = True
+        if np.array_equal(owner_new, owner_old):
+            st["selected"] = True
+            continue
+        plans.append(_plan(mv, rows, cols, owner_old, owner_new))
+    by_device: dict[torch.device, list] = {}
+    for plan in plans:
+        by_device.setdefault(plan["p"].device, []).append(plan)
+    for dev, group in by_device.items():
+        moved += _migrate_on(dev, group, ops=ops, link=link, accumulate_on=accumulate_on)
+        if host_idx_on_device is not None:
+            for plan in group:
+                host_idx_on_device[plan["p"]] = (plan["st"]["host_idx"], plan["new_host_d"])
+    return moved
+
+
+def _plan(mv: Move, rows: int, cols: int, owner_old: np.ndarray, owner_new: np.ndarray) -> dict:
+    """Host-side bookkeeping of one param's move: every index array it needs (numpy)."""
+    st = mv.st
+    old_dev = np.flatnonzero(owner_old)
+    old_host = st["host_idx"].numpy()
+    new_dev = np.flatnonzero(owner_new)
+    new_host = np.flatnonzero(~owner_new)
 
     # An empty half has no state: adopt the other half's step count, so nothing rescales.
     s_dev, s_host = st["device_step"], st["host_step"]
-    if old_dev.numel() == 0:
+    if old_dev.size == 0:
         s_dev = s_host
-    elif old_host.numel() == 0:
+    elif old_host.size == 0:
         s_host = s_dev
     elif s_host == 0:  # host half never updated (all zero): it starts at the device count
         s_host = s_dev
     elif s_dev == 0:
         s_dev = s_host
-    to_dev_m, to_dev_v = moment_scales(beta1, beta2, s_host, s_dev)
-    to_host_m, to_host_v = moment_scales(beta1, beta2, s_dev, s_host)
 
-    p2d = view2d(p.detach())
-    low_precision = p.dtype != torch.float32
-
-    # Full-width fp32 staging of each half's state, indexed by global column. Device side:
-    # master is the param itself for fp32 params (no round trip through a narrower dtype).
-    dev_master_src = st["device_master"] if low_precision else ops.gather_columns(
-        p2d, old_dev, torch.float32)
-    leaving_dev = owner_old & ~owner_new   # device -> host
-    entering_dev = owner_new & ~owner_old  # host -> device
-
-    def pos_in(idx_cpu: torch.Tensor) -> torch.Tensor:
-        pos = torch.full((cols,), -1, dtype=torch.long)
-        pos[idx_cpu] = torch.arange(idx_cpu.numel())
+    def pos_in(idx: np.ndarray) -> np.ndarray:
+        pos = np.full(cols, -1, dtype=np.int64)
+        pos[idx] = np.arange(idx.size)
         return pos
 
-    pos_dev = pos_in(old_dev.cpu())
-    pos_host = pos_in(old_host.cpu())
-    new_dev_cpu = new_dev.cpu()
-    new_host_cpu = complement(new_dev_cpu, cols)
+    pos_dev, pos_host = pos_in(old_dev), pos_in(old_host)
+    leave = np.flatnonzero(owner_old & ~owner_new)  # device -> host
+    enter = np.flatnonzero(owner_new & ~owner_old)  # host -> device
 
-    # Bring the leaving device columns to the host (counted), rescaled.
-    leave_cols = leaving_dev.nonzero().view(-1)
-    leave_pos = pos_dev[leave_cols].to(dev)
-    moved_master = link.to_host(dev_master_src.index_select(1, leave_pos))
-    moved_m = link.to_host(st["device_m"].index_select(1, leave_pos)).mul_(to_host_m)
-    moved_v = link.to_host(st["device_v"].index_select(1, leave_pos)).mul_(to_host_v)
-    # Send the entering host columns to the device (counted), rescaled.
-    enter_cols = entering_dev.nonzero().view(-1)
-    enter_pos = pos_host[enter_cols]
-    in_master = link.to_device(st["host_master"].index_select(1, enter_pos), dev)
-    in_m = link.to_device(st["host_m"].index_select(1, enter_pos), dev).mul_(to_dev_m)
-    in_v = link.to_device(st["host_v"].index_select(1, enter_pos), dev).mul_(to_dev_v)
+    def assemble_pos(new_cols, pos_old, n_old, moved_cols):
+        """Positions in cat([old half, moved columns]) of the new half's columns, in order."""
+        pos_moved = pos_in(moved_cols) + n_old
+        return np.where(pos_old >= 0, pos_old, pos_moved)[new_cols]
 
-    # A new half = kept columns of the old half + the columns that moved in, in column order.
-    def assemble(new_cols, old_src, pos_old, moved_src, moved_cols):
-        pos_moved = pos_in(moved_cols) + old_src.shape[1]
-        pos = torch.where(pos_old >= 0, pos_old, pos_moved)[new_cols]
-        both = torch.cat([old_src, moved_src.to(old_src.device)], dim=1)
-        return both.index_select(1, pos.to(old_src.device))
+    return dict(
+        p=mv.p, st=st, rows=rows, s_dev=s_dev, s_host=s_host,
+        to_dev=moment_scales(mv.beta1, mv.beta2, s_host, s_dev),
+        to_host=moment_scales(mv.beta1, mv.beta2, s_dev, s_host),
+        new_dev=new_dev, new_host=new_host, leave=leave, enter=enter,
+        leave_pos=pos_dev[leave], enter_pos=pos_host[enter],
+        dev_pos=assemble_pos(new_dev, pos_dev, old_dev.size, enter),
+        host_pos=assemble_pos(new_host, pos_host, old_host.size, leave))
 
-    host_master = pinned(assemble(new_host_cpu, st["host_master"], pos_host, moved_master,
-                                  leave_cols))
-    host_m = pinned(assemble(new_host_cpu, st["host_m"], pos_host, moved_m, leave_cols))
-    host_v = pinned(assemble(new_host_cpu, st["host_v"], pos_host, moved_v, leave_cols))
-    dev_m = assemble(new_dev_cpu, st["device_m"], pos_dev, in_m, enter_cols)
-    dev_v = assemble(new_dev_cpu, st["device_v"], pos_dev, in_v, enter_cols)
-    if low_precision:
-        st["device_master"] = assemble(new_dev_cpu, st["device_master"], pos_dev, in_master,
-                                       enter_cols)
-    # Columns leaving the device take their fp32 values into the host master; columns that
-    # enter the device take the host master's values (written to the param below, so a
-    # low-precision param shows its rounded master).
-    ops.scatter_columns(p2d, enter_cols.to(dev), in_master)
 
-    st.update({
-        "selected": True,
-        "device_idx": new_dev,
-        "device_m": dev_m, "device_v": dev_v, "device_step": s_dev,
-        "host_idx": new_host_cpu,
-        "host_master": host_master, "host_m": host_m, "host_v": host_v, "host_step": s_host,
-        "acc": new_accumulator(rows, new_host_cpu.numel(), dev, accumulate_on),
-    })
-    return int(leave_cols.numel() + enter_cols.numel())
+def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
+                accumulate_on: str) -> int:
+    # Index tables for the device, in one non-blocking copy: per param new_dev, leave_pos,
+    # dev_pos, enter, new_host.
+    keys = ("new_dev", "leave_pos", "dev_pos", "enter", "new_host")
+    flat = np.concatenate([plan[k] for plan in plans for k in keys]).astype(np.int64)
+    on_dev = link.indices_to_device(flat, dev)
+    off = 0
+    for plan in plans:
+        for k in keys:
+            n = plan[k].size
+            plan[k + "_d"] = on_dev[off:off + n]
+            off += n
+
+    # Columns leaving the device (fp32 master, m, v): gathered on the device, one blocking
+    # copy to the host for all params.
+    parts = []
+    for plan in plans:
+        st, p2d = plan["st"], view2d(plan["p"].detach())
+        low = plan["p"].dtype != torch.float32
+        master_src = (st["device_master"] if low
+                      else ops.gather_columns(p2d, st["device_idx"], torch.float32))
+        for src in (master_src, st["device_m"], st["device_v"]):
+            parts.append(src.index_select(1, plan["leave_pos_d"]).reshape(-1))
+    left = link.to_host(torch.cat(parts)) if parts else None
+    off = 0
+    for plan in plans:
+        n = plan["rows"] * plan["leave"].size
+        got = [left[off + j * n: off + (j + 1) * n].view(plan["rows"], -1) for j in range(3)]
+        off += 3 * n
+        got[1].mul_(plan["to_host"][0])
+        got[2].mul_(plan["to_host"][1])
+        plan["moved_host"] = got
+
+    # Columns entering the device, from the host state: one non-blocking copy for all.
+    host_parts = []
+    for plan in plans:
+        st = plan["st"]
+        enter_pos = torch.from_numpy(plan["enter_pos"])
+        for key in ("host_master", "host_m", "host_v"):
+            host_parts.append(st[key].index_select(1, enter_pos).reshape(-1))
+    entered = link.to_device(pinned(torch.cat(host_parts)), dev, non_blocking=True)
+    off = 0
+    for plan in plans:
+        n = plan["rows"] * plan["enter"].size
+        got = [entered[off + j * n: off + (j + 1) * n].view(plan["rows"], -1) for j in range(3)]
+        off += 3 * n
+        if plan["to_dev"] != (1.0, 1.0):
+            got[1] = got[1] * plan["to_dev"][0]
+            got[2] = got[2] * plan["to_dev"][1]
+        plan["moved_dev"] = got
+
+    # The new halves: kept columns of the old half + the columns that moved in, in order.
+    moved = 0
+    scatter = ([], [], [])
+    for plan in plans:
+        st, p = plan["st"], plan["p"]
+        host_pos = torch.from_numpy(plan["host_pos"])
+        mh, md = plan["moved_host"], plan["moved_dev"]
+
+        def assemble_host(old, moved_cols):
+            return pinned(torch.cat([old, moved_cols], dim=1).index_select(1, host_pos))
+
+        def assemble_dev(old, moved_cols):
+            return torch.cat([old, moved_cols], dim=1).index_select(1, plan["dev_pos_d"])
+
+        new_state = {
+            "selected": True,
+            "device_idx": plan["new_dev_d"].clone(),
+            "device_m": assemble_dev(st["device_m"], md[1]),
+            "device_v": assemble_dev(st["device_v"], md[2]),
+            "device_step": plan["s_dev"],
+            "host_idx": torch.from_numpy(plan["new_host"].copy()),
+            "host_master": assemble_host(st["host_master"], mh[0]),
+            "host_m": assemble_host(st["host_m"], mh[1]),
+            "host_v": assemble_host(st["host_v"], mh[2]),
+            "host_step": plan["s_host"],
+            "acc": new_accumulator(plan["rows"], plan["new_host"].size, p.device,
+                                   accumulate_on),
+        }
+        if p.dtype != torch.float32:
+            new_state["device_master"] = assemble_dev(st["device_master"], md[0])
+        # Columns that enter the device take the host master's values (a low-precision
+        # param then shows its rounded master); leaving ones keep theirs in the host master.
+        scatter[0].append(view2d(p.detach()))
+        scatter[1].append(plan["enter_d"])
+        scatter[2].append(md[0])
+        st.update(new_state)
+        moved += plan["leave"].size + plan["enter"].size
+    ops.scatter_columns_multi(*scatter)
+    return int(moved)

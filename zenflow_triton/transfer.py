@@ -106,6 +106,17 @@ class Link:
             raise ValueError("to_device: a non-blocking copy needs a pinned source")
         return src.to(device, non_blocking=non_blocking)
 
+    def indices_to_device(self, idx: "np.ndarray", device: torch.device) -> torch.Tensor:
+        """A host index array (numpy int64) on ``device``: a non-blocking copy from pinned
+        memory (a fresh block: nothing rewrites it), counted."""
+        t = torch.from_numpy(idx)
+        if torch.device(device).type == "cpu":
+            with self._lock:
+                self.async_transfers += 1
+            self._count(h2d=t.numel() * t.element_size())
+            return t
+        return self.to_device(pinned(t), device, non_blocking=True)
+
     def count_d2h(self, nbytes: int) -> None:
         self._count(d2h=nbytes)
 

@@ -16,6 +16,7 @@ next power of two above the data, so a 1x1 tensor does not run a 2048-element ti
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -28,6 +29,17 @@ _INTERPRET_TILE = 16384
 # full 128 B lines when the selected columns are contiguous.
 _GPU_MAX_BLOCK_C = 64
 _INTERPRET_MAX_BLOCK_C = 128
+
+
+LAUNCHES: "collections.Counter[str]" = collections.Counter()
+"""Kernel launches made by this package's launchers, by kernel name (a Counter that only
+grows: tests and benchmarks read differences). Lets a CPU run count what a GPU would launch."""
+
+
+def launched(kernel) -> None:
+    """Count one launch of ``kernel`` (call right before launching it)."""
+    LAUNCHES[getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None),
+                                                          "__name__", str(kernel))] += 1
 
 
 def interpreting() -> bool:

@@ -133,6 +133,7 @@ def adamw_scalars_launch(params: Sequence[torch.Tensor], grads: Sequence[torch.T
             continue
         g = g.contiguous()
         block, num_warps = _launch.block_1d(n)
+        _launch.launched(_adamw_kernel)
         wrap_triton(_adamw_kernel)[(_launch.cdiv(n, block),)](
             p, g, m, v, master if master is not None else m,  # dummy, never touched
             n, decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_sizes[i], bc2_sqrts[i],
@@ -186,6 +187,7 @@ def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             tiles.append(_launch.cdiv(params[i].numel(), block))
         cum = _multi.cumulative(tiles)
         first = members[0]
+        _launch.launched(_adamw_multi_kernel)
         _adamw_multi_kernel[(int(cum[-1]),)](
             _multi.to_device_table(np.asarray(meta, dtype=np.int64), device),
             _multi.to_device_table(cum, device),

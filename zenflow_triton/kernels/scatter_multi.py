@@ -79,6 +79,7 @@ def scatter_columns_multi(dst2ds: Sequence[torch.Tensor], idxs: Sequence[torch.T
             tiles.append(_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k))
         cum = _multi.cumulative(tiles)
         first = members[0]
+        _launch.launched(_scatter_columns_multi_kernel)
         _scatter_columns_multi_kernel[(int(cum[-1]),)](
             _multi.to_device_table(np.asarray(meta, dtype=np.int64), device),
             _multi.to_device_table(cum, device), len(members), dst2ds[first], srcs[first],

@@ -184,6 +184,7 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
     cum_t = _multi.to_device_table(cum, device)
     hyper_t = _multi.to_device_table(np.asarray(hyper, dtype=np.float32), device)
     first = order[0]
+    _launch.launched(_selective_adamw_accumulate_kernel)
     _selective_adamw_accumulate_kernel[(int(cum[-1]),)](
         meta, cum_t, hyper_t, len(order), p2ds[first], g2ds[first],
         s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
