@@ -150,11 +150,13 @@ class FeedModel(nn.Module):
 
     SHAPES = [(VOCAB, 24), (37, 24), (37,), (37,), (37,), (45, 37), (45,), (VOCAB, 45)]
 
-    def __init__(self, dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 device: str | torch.device = "cpu") -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.ps = nn.ParameterList(
-            [nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in self.SHAPES])
+            [nn.Parameter((torch.randn(s, generator=g) * 0.5).to(device=device, dtype=dtype))
+             for s in self.SHAPES])
 
 
 class GradFeed:
@@ -188,10 +190,13 @@ class GradFeed:
         self.batches = list(range(steps))  # a "batch" is the step's index into the feed
 
     def loss(self, model: FeedModel, t: int) -> torch.Tensor:
-        total = torch.zeros(())
+        """The step's loss on the model's device (the feed is made on the CPU, once)."""
+        dev = model.ps[0].device
+        total = torch.zeros((), device=dev)
         for p, target, noise in zip(model.ps, self.targets, self.noise[t]):
             w = p.float()
-            total = total + 0.5 * self.pull * (w - target).square().sum() + (noise * w).sum()
+            total = (total + 0.5 * self.pull * (w - target.to(dev)).square().sum()
+                     + (noise.to(dev) * w).sum())
         return total
 
 

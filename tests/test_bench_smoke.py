@@ -68,3 +68,22 @@ def test_kernel_benchmarks_run_in_ci_quick_mode():
     # Every kernel, both implementations: far more than one test; the copy baseline alone
     # (which needs no Triton) does not count as the benchmarks having run.
     assert passed > 1, f"no kernel benchmark ran (summary: {summary!r}):{detail}"
+
+
+def test_gpu_check_script_runs_in_cpu_smoke_mode(tmp_path):
+    """bench/gpu_check.py runs only where a GPU is lent; its --cpu-smoke mode (tiny sizes,
+    Triton interpreter) runs the same code here so it cannot rot: it must finish, say OK,
+    and write its two result files with the trajectory check passed."""
+    import json
+
+    env = _ci_env()
+    env.pop("ZENFLOW_BENCH_QUICK", None)
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-smoke", "--out",
+                           str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "gpu_check.py: OK" in out, out[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["trajectory"]["ok"] and report["trajectory"]["columns_migrated"][0] > 0
+    assert report["syncs"]["steady"]["blocking_transfers"] == 0
+    assert (tmp_path / "gpu_check.txt").exists()

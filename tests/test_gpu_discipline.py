@@ -23,12 +23,15 @@ SIZES = (16, 64)
 # of t = 2 (overlap) or its own (overlap=False); t = 5 (u - 1 = 4) a reselection.
 STEADY, APPLY, RESELECT = 3, 4, 5
 BACKENDS = ["torch"] + (["triton"] if triton_available()[0] else [])
+# On a GPU machine (bench/gpu_check.sh) the same counts on CUDA tensors, kernels compiled.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.lru_cache(maxsize=None)
 def run_counting(n_layers: int, backend: str, dtype=torch.float32, overlap=True):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(n_layers)]).to(dtype)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(n_layers)]).to(
+        device=DEVICE, dtype=dtype)
     opt = ZenFlowOptimizer(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2,
                            select_interval=4, min_offload_numel=64, backend=backend,
                            overlap=overlap)
@@ -37,7 +40,7 @@ def run_counting(n_layers: int, backend: str, dtype=torch.float32, overlap=True)
     try:
         for t in range(1, RESELECT + 1):
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                p.grad = torch.randn(p.shape, generator=gen).to(device=DEVICE, dtype=dtype)
             if t in (STEADY, APPLY, RESELECT):
                 counts[t] = count_step(opt)
             else:
