@@ -186,3 +186,27 @@ def test_dead_worker_detected():
         _steps(model, opt, 1)
     assert time.monotonic() - t0 < 5
     opt.close()
+
+
+def test_huge_finite_gradients_are_not_refused():
+    """The finite check reduces by sums of squares; a finite gradient that overflows one
+    (elements near the fp32 maximum) must still step, as torch.optim.AdamW would."""
+    from zenflow_triton import ZenFlowOptimizer
+
+    from .helpers import assert_trajectories_close
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8))]
+    ref = [torch.nn.Parameter(t.detach().clone()) for t in ours]
+    opt = ZenFlowOptimizer(ours, lr=1e-3, topk_ratio=0.25, update_interval=1, overlap=False,
+                           min_offload_numel=1)
+    adamw = torch.optim.AdamW(ref, lr=1e-3, foreach=False)
+    for scale in (3e19, -1e30, 1.0):  # squares overflow fp32 on the first two steps
+        for ps in (ours, ref):
+            ps[0].grad = torch.full((8, 16), scale)
+            ps[1].grad = torch.full((8,), -scale)
+        opt.step()
+        adamw.step()
+    assert opt.stats()["steps"] == 3
+    assert_trajectories_close(ours, ref, 3, 1e-3)
+    opt.close()

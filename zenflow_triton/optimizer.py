@@ -47,7 +47,8 @@ import torch
 from .config import ZenFlowConfig
 from .host import (HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError, Outboxes,
                    PieceIO)
-from .kernels import KernelOps, get_ops, nonfinite_flags, triton_available
+from .kernels import (KernelOps, confirm_nonfinite, get_ops, nonfinite_flags,
+                      triton_available)
 from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
                         new_accumulator, num_selected, select_columns, view2d)
 from .transfer import Link, host_empty, to_host_memory
@@ -261,15 +262,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _nonfinite(checked) -> list[bool]:
         """Per gradient, whether it holds a NaN or an inf: one multi-tensor reduction and one
-        host read per device (the step's only sync on an ordinary step)."""
+        host read per device (the step's only sync on an ordinary step); a flagged gradient
+        is confirmed exactly before it is reported (kernels.finite)."""
         flags = [False] * len(checked)
         by_device: dict[torch.device, list[int]] = {}
         for i, (_, g) in enumerate(checked):
             by_device.setdefault(g.device, []).append(i)
         for idx in by_device.values():
             read = nonfinite_flags([checked[i][1] for i in idx]).tolist()
-            for i, flag in zip(idx, read):
-                flags[i] = flag
+            for i, flag in zip(idx, read):  # a flag may be an overflow of a finite grad
+                flags[i] = flag and confirm_nonfinite(checked[i][1])
         return flags
 
     def _init_state(self, p: torch.Tensor) -> None:

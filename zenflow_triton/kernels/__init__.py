@@ -24,7 +24,8 @@ Signatures (all in place unless they return):
   apply of a window), one launch per dtype pair on the Triton backend.
 
 Shared by both backends: ``nonfinite_flags(grads) -> bool [n]`` on the device (``finite.py``:
-one multi-tensor reduction, read by the caller once per step).
+one multi-tensor reduction, read by the caller once per step; a superset, which
+``confirm_nonfinite(grad)`` checks exactly).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .accumulate import accumulate_columns_ref
 from .adamw import adamw_ref
 from .column_scores import column_scores_ref
 from .columns import gather_columns_ref, scatter_columns_ref
+from .finite import confirm as confirm_nonfinite
 from .finite import nonfinite_flags
 from .scatter_multi import scatter_columns_multi_ref
 from .selective_adamw import selective_adamw_ref
