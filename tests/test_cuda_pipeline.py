@@ -87,3 +87,36 @@ def test_cuda_params_follow_the_cpu_run(cfg, dtype):
         assert p.dtype == dtype and torch.equal(p, m.to(dtype))
     for key in ("bytes_device_to_host", "bytes_host_to_device", "host_updates"):
         assert got_stats[key] == want_stats[key], key
+
+
+def test_state_moved_by_a_framework_is_put_back():
+    """Lightning moves every optimizer state tensor to the param's device after loading a
+    checkpoint (and to the CPU at teardown): the host half must go back to host memory
+    (else it fills the GPU and the host AdamW refuses it) and the run go on unchanged."""
+    def move_state(opt, device):  # what lightning.fabric's _optimizer_to_device does
+        for st in opt.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.to(device)
+
+    def run(move: bool):
+        model = make_model(dtype=torch.bfloat16).to("cuda")
+        feed = GradFeed(10, seed=3, pull=0.0, grid=torch.bfloat16).noise
+        with ZenFlowOptimizer(param_groups(model), min_offload_numel=64, topk_ratio=0.2,
+                              update_interval=2, select_interval=4) as opt:
+            for t, grads in enumerate(feed):
+                for p, g in zip(model.parameters(), grads):
+                    p.grad = g.to(device="cuda", dtype=torch.bfloat16)
+                opt.step()
+                if move and t == 4:
+                    opt.load_state_dict(opt.state_dict())
+                    move_state(opt, torch.device("cuda"))
+                    assert any(st["host_master"].is_cuda for st in opt.state.values()
+                               if "host_master" in st)
+            opt.synchronize()
+            assert all(st["host_master"].device.type == "cpu" for st in opt.state.values()
+                       if "host_master" in st)
+            return [p.detach().cpu() for p in model.parameters()]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)

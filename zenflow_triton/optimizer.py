@@ -255,9 +255,31 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     "was changed by this step (skip it, e.g. with torch.amp.GradScaler, or "
                     "construct with check_finite=False to let it propagate as AdamW does)")
         for _, p, _ in work:
-            if not self.state[p]:
+            st = self.state[p]
+            if not st:
                 self._init_state(p)
+            elif self._misplaced(p, st):
+                self._rehome(p, st)
         return work
+
+    @staticmethod
+    def _misplaced(p: torch.Tensor, st: dict) -> bool:
+        """Whether a framework moved this param's state (Lightning moves every state tensor
+        to the param's device after loading a checkpoint, and to the CPU at teardown)."""
+        if st["kind"] == MATRIX:
+            return st["host_master"].device.type != "cpu" or st["device_m"].device != p.device
+        return st["exp_avg"].device != p.device
+
+    def _rehome(self, p: torch.Tensor, st: dict) -> None:
+        """Put the host half back in host memory and the device half on the param's device."""
+        if self._inflight is not None:
+            raise RuntimeError(
+                f"the optimizer state of {self._param_name(p)} was moved off its devices "
+                "while host work was in flight (a framework moved optimizer.state between "
+                "steps); the moved copies may miss that work. Move state only after "
+                "state_dict()/load_state_dict(), which wait for it")
+        self.state[p] = self._restore_param_state(p, st)
+        self._host_idx_dev.pop(p, None)
 
     @staticmethod
     def _nonfinite(checked) -> list[bool]:
