@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -60,14 +61,14 @@ def build(width: int, layers: int, device, dtype=torch.bfloat16, seed: int = 0):
 def grads_for(model, step: int, device):
     """Seeded gradients (the same on every backend), per-column scales so the column scores
     are far apart and both backends pick the same columns."""
-    g = torch.Generator(device="cpu").manual_seed(1000 + step)
+    g = torch.Generator(device=device).manual_seed(1000 + step)  # made on the device: fast
     out = []
     for p in model.parameters():
-        x = torch.randn(p.shape, generator=g)
+        x = torch.randn(p.shape, generator=g, device=device)
         if p.dim() == 2:
             cs = torch.Generator(device="cpu").manual_seed(7 + p.shape[1])
-            x = x * torch.exp(torch.randn(p.shape[1], generator=cs))
-        out.append(x.to(device=device, dtype=p.dtype))
+            x = x * torch.exp(torch.randn(p.shape[1], generator=cs)).to(device)
+        out.append(x.to(dtype=p.dtype))
     return out
 
 
@@ -115,14 +116,25 @@ def syncs_per_step(width, layers, device) -> dict:
     model = build(width, layers, device)
     cuda = device.type == "cuda"
     out = {}
+    me = threading.get_ident()
     with ZenFlowOptimizer(model.parameters(), backend="triton", **ZF) as opt:
         for t in range(1, 10):
             set_grads(model, grads_for(model, t, device))
             if cuda:
                 torch.cuda.synchronize()
             blocking0 = opt.link.blocking_transfers
-            with warnings.catch_warnings(record=True) as caught:
+            caught: list[str] = []
+            # Sync debug mode and warnings are process-wide: keep the warnings this thread
+            # raised (the host worker's own blocking copies never stall the training stream).
+            real_show = warnings.showwarning
+
+            def show(message, category, filename, lineno, file=None, line=None):
+                if threading.get_ident() == me and SYNC_WARNING in str(message):
+                    caught.append(f"{filename}:{lineno}: {str(message)[:120]}")
+
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = show
                 if cuda:
                     torch.cuda.set_sync_debug_mode("warn")
                 try:
@@ -130,7 +142,8 @@ def syncs_per_step(width, layers, device) -> dict:
                 finally:
                     if cuda:
                         torch.cuda.set_sync_debug_mode("default")
-            syncs = [str(w.message)[:160] for w in caught if SYNC_WARNING in str(w.message)]
+                    warnings.showwarning = real_show
+            syncs = caught
             if t in (6, 8, 9):
                 out[{6: "steady", 8: "apply", 9: "reselect"}[t]] = dict(
                     cuda_sync_warnings=len(syncs) if cuda else None,
@@ -166,7 +179,9 @@ def profile_steps(width, layers, device, windows=3) -> dict:
         stats = opt.stats()
     kernels = {}
     for evt in prof.key_averages():
-        dev_us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        # Self time: an op's row also holds its kernels' time, which have rows of their own.
+        dev_us = (getattr(evt, "self_device_time_total", None)
+                  or getattr(evt, "self_cuda_time_total", 0))
         if dev_us and evt.count:
             kernels[evt.key[:80]] = dict(calls=evt.count, device_ms=dev_us / 1e3)
     n_steps = windows * ui
@@ -235,6 +250,12 @@ def memory_and_speed(width, layers, device, steps=8) -> dict:
     return out
 
 
+def write(out: Path, report: dict) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    lines = [f"{k}: {json.dumps(v, default=str)}" for k, v in report.items()]
+    (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
+
+
 def main() -> int:
     args = parse()
     out = Path(args.out)
@@ -260,10 +281,10 @@ def main() -> int:
             ok = False
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"{name}: {json.dumps(report[name], default=str)[:2000]}", flush=True)
+        write(out, report)  # after every section: a timeout keeps what was measured
     ok = ok and report["trajectory"].get("ok", False)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
-    lines = [f"{k}: {json.dumps(v, default=str)}" for k, v in report.items()]
-    (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
+    report["ok"] = ok
+    write(out, report)
     print("gpu_check.py:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 

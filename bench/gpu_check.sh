@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # GPU check, one prepared run of under 5 minutes on a CUDA machine (nothing to install:
-# torch, triton, numpy and pytest are enough). Results in ${OUT:-results}/, 7 files at most:
+# torch, triton, numpy and pytest are enough). Results in ${OUT:-results}/, 6 files:
 #   env.txt          device, driver, library versions
 #   tests.txt/.xml   the kernel tests compiled for the GPU, the optimizer on CUDA with the
 #                    Triton backend against the torch backend, the CUDA copy-pipeline tests
 #                    and the counted syncs/launches (tests build their tensors on CUDA)
 #   gpu_check.txt    bench/gpu_check.py: trajectory Triton vs torch on CUDA, host syncs per
 #   gpu_check.json   step as CUDA counts them, kernel vs step time, GB/s vs HBM peak, memory
-#   bench_kernels.txt  per-kernel bandwidth benchmarks, only where pytest-benchmark exists
+#                    (written after each of its sections, so a timeout keeps what was done)
 #   run.log          this script's own output
-# Budget: tests 150 s, gpu_check.py 90 s, kernel benchmarks 45 s; each killed at its limit.
+# Budget: tests 200 s (a cold machine compiles ~220 kernel variants), gpu_check.py 90 s;
+# each killed at its limit. The per-kernel bandwidth benchmarks (bench/bench_kernels.py)
+# need pytest-benchmark and are not part of this check.
 # Exit status: non-zero when the tests or gpu_check.py fail.
 set -u
 cd "$(dirname "$0")/.."
@@ -26,7 +28,7 @@ exec > >(tee "$OUT/run.log") 2>&1
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 
-timeout 150 python3 -m pytest tests/test_kernels.py tests/test_triton_backend.py \
+timeout 200 python3 -m pytest tests/test_kernels.py tests/test_triton_backend.py \
   tests/test_cuda_pipeline.py tests/test_gpu_discipline.py -q -p no:cacheprovider -rs \
   --junitxml="$OUT/tests.xml" > "$OUT/tests.txt" 2>&1
 tests_rc=$?
@@ -35,14 +37,5 @@ tail -n 25 "$OUT/tests.txt"
 timeout 90 python3 bench/gpu_check.py --out "$OUT"
 check_rc=$?
 
-bench_rc=skipped
-if python3 -c "import pytest_benchmark" 2>/dev/null; then
-  ZENFLOW_BENCH_OUT="$OUT" timeout 45 python3 -m pytest bench/bench_kernels.py -q -s \
-    -p no:cacheprovider > /dev/null 2>&1
-  bench_rc=$?
-  [ -f "$OUT/bench_kernels.txt" ] && cat "$OUT/bench_kernels.txt"
-  rm -f "$OUT/bench_kernels_summary.json"
-fi
-
-echo "tests rc=$tests_rc gpu_check rc=$check_rc kernel bench rc=$bench_rc (124 = timed out)"
+echo "tests rc=$tests_rc gpu_check rc=$check_rc (124 = timed out)"
 [ "$tests_rc" -eq 0 ] && [ "$check_rc" -eq 0 ]

@@ -274,3 +274,29 @@ def test_copies_refuse_to_step_or_save_and_leave_the_original_working(how):
         opt.step()
     assert opt.stats()["steps"] == 4 and opt.stats()["host_updates"] == 2
     opt.close()
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_a_job_that_writes_outboxes_waits_for_their_device(accumulate_on, monkeypatch):
+    """A job rewrites the outboxes the last apply read with a non-blocking copy; it waits for
+    the work queued on their device before its launch (CopyQueue.wait_launched), so its
+    queue must know that device even when no gradient crosses (accumulate_on="host"; this
+    was missed, found by review)."""
+    from zenflow_triton.transfer import Link
+
+    seen = []
+    real = Link.copy_queue
+
+    def record(self, devices, timeout):
+        seen.append(sorted(str(d) for d in devices))
+        return real(self, devices, timeout)
+
+    monkeypatch.setattr(Link, "copy_queue", record)
+    model = make_model(dtype=torch.bfloat16)  # bf16: every host result goes through an outbox
+    with ZenFlowOptimizer(model.parameters(), topk_ratio=0.2, update_interval=2,
+                          min_offload_numel=64, accumulate_on=accumulate_on) as opt:
+        for x in batches(6):
+            opt.zero_grad()
+            loss_fn(model, x).backward()
+            opt.step()
+    assert len(seen) == 3 and all(d == ["cpu"] for d in seen), seen

@@ -558,3 +558,28 @@ def test_scatter_columns_multi_is_exact(dtype):
     scatter_columns_multi_ref(b, idxs, srcs)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_nonfinite_flags_keeps_the_input_order_across_dtypes():
+    from zenflow_triton.kernels.finite import nonfinite_flags
+
+    nan = float("nan")
+    grads = [torch.ones(3), torch.tensor([nan]).bfloat16(), torch.tensor([1.0, nan]),
+             torch.ones(2).bfloat16(), torch.tensor([float("inf")]).half(), torch.ones(4)]
+    assert nonfinite_flags(grads).tolist() == [False, True, True, False, True, False]
+
+
+def test_multi_tensor_kernels_refuse_int32_indices():
+    """Their index tables are read through int64 pointers: an int32 index would be read as
+    garbage (it crashed the interpreter), so the launchers refuse it."""
+    from zenflow_triton.kernels.scatter_multi import scatter_columns_multi
+    from zenflow_triton.kernels.selective_adamw_multi import selective_adamw_accumulate
+
+    dst, src = randn(4, 6), randn(4, 2)
+    idx32 = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="int64 tensor"):
+        scatter_columns_multi([dst], [idx32], [src])
+    items = _multi_case(torch.float32)[:1]
+    items[0][2] = items[0][2].to(torch.int32)
+    with pytest.raises(ValueError, match="int64 tensor"):
+        _run_multi(selective_adamw_accumulate, items)

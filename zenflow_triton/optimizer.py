@@ -498,6 +498,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     store = piece_store(p.detach().view(-1), st["host_master"].view(-1))
                     stored.append(p)
                 elif p.device.type == "cuda" or p.dtype != torch.float32:
+                    # The job's queue must know p's device even when no gradient of p crosses
+                    # (accumulate_on="host"): wait_launched() waits for that device's apply.
+                    devices.add(p.device)
                     box_items.append((p, st["host_master"].shape, p.dtype, p.device))
                     store = outbox_store(p, st["host_master"].view(-1))
                 st["acc_count"] = 0

@@ -102,7 +102,8 @@ class Link:
                 self.blocking_transfers += 1
         if src.device == torch.device(device):
             return src  # CPU-only run: the "device" already holds it; counted all the same
-        if non_blocking and host_can_pin() and src.device.type == "cpu" and not src.is_pinned():
+        if (non_blocking and host_can_pin() and src.device.type == "cpu" and src.numel()
+                and not src.is_pinned()):  # an empty tensor has no storage to pin
             raise ValueError("to_device: a non-blocking copy needs a pinned source")
         return src.to(device, non_blocking=non_blocking)
 

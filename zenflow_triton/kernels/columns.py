@@ -84,10 +84,14 @@ def _scatter_columns_kernel(
              cast_rtne(x, dst_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
-def _check_idx(idx: torch.Tensor, device: torch.device) -> None:
-    if idx.dim() != 1 or idx.dtype not in (torch.int64, torch.int32) or idx.device != device:
-        raise ValueError(f"idx must be a 1-D int64/int32 tensor on {device}, got {idx.dtype} "
-                         f"{tuple(idx.shape)} on {idx.device}")
+def _check_idx(idx: torch.Tensor, device: torch.device, int64_only: bool = False) -> None:
+    """``int64_only``: for the multi-tensor kernels, which read every index table entry
+    through an int64 pointer (an int32 index would be read as garbage)."""
+    allowed = (torch.int64,) if int64_only else (torch.int64, torch.int32)
+    if idx.dim() != 1 or idx.dtype not in allowed or idx.device != device:
+        raise ValueError(f"idx must be a 1-D {'int64' if int64_only else 'int64/int32'} "
+                         f"tensor on {device}, got {idx.dtype} {tuple(idx.shape)} on "
+                         f"{idx.device}")
 
 
 def gather_columns(src2d: torch.Tensor, idx: torch.Tensor,

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
+
+from ._multi import to_device_table
 
 
 def nonfinite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -31,7 +34,7 @@ def nonfinite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
-    flags = torch.empty(len(grads), dtype=torch.bool, device=grads[0].device)
+    bads, order = [], []
     for dtype, idx in by_dtype.items():
         group = [grads[i] for i in idx]
         kw = {"dtype": torch.float32} if dtype == torch.float16 else {}
@@ -39,11 +42,14 @@ def nonfinite_flags(grads: Sequence[torch.Tensor]) -> torch.Tensor:
             norms = torch._foreach_norm(group, 2, **kw)
         except (AttributeError, TypeError, RuntimeError):  # a torch without the foreach op
             norms = [torch.linalg.vector_norm(g, 2, **kw) for g in group]
-        bad = torch.isfinite(torch.stack(norms)).logical_not_()
-        if len(by_dtype) == 1:
-            return bad
-        flags[torch.tensor(idx, device=flags.device)] = bad
-    return flags
+        bads.append(torch.isfinite(torch.stack(norms)).logical_not_())
+        order += idx
+    if len(bads) == 1:
+        return bads[0]
+    # Back to the input order: a permutation known on the host, sent without a sync.
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[np.asarray(order)] = np.arange(len(order))
+    return torch.cat(bads).index_select(0, to_device_table(inverse, grads[0].device))
 
 
 def confirm(grad: torch.Tensor) -> bool:

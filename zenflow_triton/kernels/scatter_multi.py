@@ -61,7 +61,7 @@ def scatter_columns_multi(dst2ds: Sequence[torch.Tensor], idxs: Sequence[torch.T
     for i, (dst, idx, src) in enumerate(zip(dst2ds, idxs, srcs)):
         if dst.dim() != 2:
             raise ValueError(f"dst2ds[{i}] must be 2-D, got shape {tuple(dst.shape)}")
-        _check_idx(idx, dst.device)
+        _check_idx(idx, dst.device, int64_only=True)
         if tuple(src.shape) != (dst.shape[0], idx.numel()) or src.device != dst.device:
             raise ValueError(f"srcs[{i}] must have shape [{dst.shape[0]}, {idx.numel()}] on "
                              f"{dst.device}, got {tuple(src.shape)} on {src.device}")

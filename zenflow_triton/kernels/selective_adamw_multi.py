@@ -120,7 +120,7 @@ def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torc
             raise ValueError(f"param {i}: p2d and g2d must be 2-D of one shape on one device, "
                              f"got {tuple(p.shape)} and {tuple(g.shape)}")
         rows, k = p.shape[0], dev_idxs[i].numel()
-        _check_idx(dev_idxs[i], p.device)
+        _check_idx(dev_idxs[i], p.device, int64_only=True)
         if k:
             for name, t in ((("m", ms[i]), ("v", vs[i]))
                             + ((("master", masters[i]),) if masters[i] is not None else ())):
@@ -129,7 +129,7 @@ def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torc
                 raise ValueError(f"param {i}: a {p.dtype} param needs "
                                  f"{'an fp32 master' if p.dtype != torch.float32 else 'no master'}")
         if accs[i] is not None and host_idxs[i] is not None and host_idxs[i].numel():
-            _check_idx(host_idxs[i], p.device)
+            _check_idx(host_idxs[i], p.device, int64_only=True)
             _check_state(f"acc[{i}]", accs[i], rows, host_idxs[i].numel(), p.device)
         groups.setdefault((p.device, p.dtype, g.dtype), []).append(i)
     launches = 0
