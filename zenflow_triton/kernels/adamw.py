@@ -18,8 +18,7 @@ import torch
 
 from . import _launch, _multi
 from ..adamw_math import adamw_
-from .columns import cast_rtne
-from .selective_adamw import _adamw_math
+from .selective_adamw import adamw_block
 
 try:
     import triton
@@ -43,21 +42,9 @@ def _adamw_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    if HAS_MASTER:
-        w = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    else:
-        w = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-    w, m, v = _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps,
-                          neg_step_size, bc2_sqrt)
-
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    if HAS_MASTER:
-        tl.store(master_ptr + offs, w, mask=mask)
-    tl.store(p_ptr + offs, cast_rtne(w, p_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    adamw_block(p_ptr + offs, g, m_ptr + offs, v_ptr + offs, master_ptr + offs, mask,
+                decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
+                HAS_MASTER, SOFT_BF16)
 
 
 @triton.jit
@@ -81,21 +68,12 @@ def _adamw_multi_kernel(
     g_ptr = tl.load(row + 1).to(tl.pointer_type(g_like_ptr.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    # Without a master the row holds 0 there; adamw_block then never touches it.
+    master_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    if HAS_MASTER:
-        master_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-        w = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    else:
-        w = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w, m, v = _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps,
-                          tl.load(hyper_ptr + 2 * i), tl.load(hyper_ptr + 2 * i + 1))
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    if HAS_MASTER:
-        tl.store(master_ptr + offs, w, mask=mask)
-    tl.store(p_ptr + offs, cast_rtne(w, p_like_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    adamw_block(p_ptr + offs, g, m_ptr + offs, v_ptr + offs, master_ptr + offs, mask,
+                decay, lerp_w, beta2, one_minus_beta2, eps, tl.load(hyper_ptr + 2 * i),
+                tl.load(hyper_ptr + 2 * i + 1), HAS_MASTER, SOFT_BF16)
 
 
 def _check(name: str, i: int, t: torch.Tensor, p: torch.Tensor, fp32: bool) -> None:

@@ -50,6 +50,30 @@ def _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps, neg_step
 
 
 @triton.jit
+def adamw_block(p_ptrs, g, m_ptrs, v_ptrs, master_ptrs, mask,
+                decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
+                HAS_MASTER: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """One AdamW update of a block, in place: load the fp32 state at ``m_ptrs``/``v_ptrs``
+    and the weight (from ``master_ptrs``, or from ``p_ptrs`` when HAS_MASTER is false, which
+    then never touches ``master_ptrs``), update with the fp32 gradient block ``g``, store
+    the state back and the weight into ``p_ptrs`` in p's dtype. Every AdamW kernel (one
+    param or many, columns or flat) goes through here, so they agree bit for bit."""
+    m = tl.load(m_ptrs, mask=mask, other=0.0)
+    v = tl.load(v_ptrs, mask=mask, other=0.0)
+    if HAS_MASTER:
+        w = tl.load(master_ptrs, mask=mask, other=0.0)
+    else:
+        w = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w, m, v = _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps,
+                          neg_step_size, bc2_sqrt)
+    tl.store(m_ptrs, m, mask=mask)
+    tl.store(v_ptrs, v, mask=mask)
+    if HAS_MASTER:
+        tl.store(master_ptrs, w, mask=mask)
+    tl.store(p_ptrs, cast_rtne(w, p_ptrs.dtype.element_ty, SOFT_BF16), mask=mask)
+
+
+@triton.jit
 def _selective_adamw_kernel(
     p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, master_ptr,
     rows, k,
@@ -68,21 +92,9 @@ def _selective_adamw_kernel(
     p_ptrs = p_ptr + offs_r[:, None] * stride_pr + (cols * stride_pc)[None, :]
     g = tl.load(g_ptr + offs_r[:, None] * stride_gr + (cols * stride_gc)[None, :],
                 mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + state, mask=mask, other=0.0)
-    v = tl.load(v_ptr + state, mask=mask, other=0.0)
-    if HAS_MASTER:
-        w = tl.load(master_ptr + state, mask=mask, other=0.0)
-    else:
-        w = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
-
-    w, m, v = _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps,
-                          neg_step_size, bc2_sqrt)
-
-    tl.store(m_ptr + state, m, mask=mask)
-    tl.store(v_ptr + state, v, mask=mask)
-    if HAS_MASTER:
-        tl.store(master_ptr + state, w, mask=mask)
-    tl.store(p_ptrs, cast_rtne(w, p_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    adamw_block(p_ptrs, g, m_ptr + state, v_ptr + state, master_ptr + state, mask,
+                decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
+                HAS_MASTER, SOFT_BF16)
 
 
 def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,

@@ -12,7 +12,7 @@ Per param i (2-D views; see :func:`selective_adamw_accumulate_ref`, the contract
 
 Triton kernel -> launcher :func:`selective_adamw_accumulate` (one launch per param dtype
 and grad dtype; a table row per param, see ``_multi``) -> torch reference. The arithmetic
-is the one of the single-param kernels (``selective_adamw._adamw_math``, the accumulate's
+is the one of the single-param kernels (``selective_adamw.adamw_block``, the accumulate's
 add), op for op, so a multi-tensor launch gives bit for bit what per-param launches give.
 """
 
@@ -25,8 +25,8 @@ import torch
 
 from . import _launch, _multi
 from .accumulate import accumulate_columns_ref
-from .columns import _check_idx, cast_rtne, column_tile
-from .selective_adamw import _adamw_math, _check_state, adamw_scalars, selective_adamw_ref
+from .columns import _check_idx, column_tile
+from .selective_adamw import _check_state, adamw_block, adamw_scalars, selective_adamw_ref
 
 try:
     import triton
@@ -67,24 +67,13 @@ def _selective_adamw_accumulate_kernel(
         p_ptrs = p_ptr + offs_r[:, None] * tl.load(row + 11) + (cols * tl.load(row + 12))[None, :]
         m_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        # Without a master the row holds 0 there; adamw_block then never touches it.
+        master_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
         g = tl.load(g_ptr + offs_r[:, None] * g_sr + (cols * g_sc)[None, :],
                     mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + state, mask=mask, other=0.0)
-        v = tl.load(v_ptr + state, mask=mask, other=0.0)
-        if HAS_MASTER:
-            master_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-            w = tl.load(master_ptr + state, mask=mask, other=0.0)
-        else:
-            w = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
-        neg_step_size = tl.load(hyper_ptr + 2 * i)
-        bc2_sqrt = tl.load(hyper_ptr + 2 * i + 1)
-        w, m, v = _adamw_math(w, g, m, v, decay, lerp_w, beta2, one_minus_beta2, eps,
-                              neg_step_size, bc2_sqrt)
-        tl.store(m_ptr + state, m, mask=mask)
-        tl.store(v_ptr + state, v, mask=mask)
-        if HAS_MASTER:
-            tl.store(master_ptr + state, w, mask=mask)
-        tl.store(p_ptrs, cast_rtne(w, p_like_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+        adamw_block(p_ptrs, g, m_ptr + state, v_ptr + state, master_ptr + state, mask,
+                    decay, lerp_w, beta2, one_minus_beta2, eps, tl.load(hyper_ptr + 2 * i),
+                    tl.load(hyper_ptr + 2 * i + 1), HAS_MASTER, SOFT_BF16)
     else:  # a tile of the host-owned columns: acc += g[:, host_idx]
         n = tl.load(row + 10)
         idx_ptr = tl.load(row + 7).to(tl.pointer_type(tl.int64))
