@@ -312,3 +312,53 @@ def test_slow_copy_in_cannot_race_the_training_loop(cfg, monkeypatch):
     assert calls  # the copies went through the slowed path
     want, _ = run_reference(feed, **cfg)
     assert_trajectories_close(params_of(model), want, steps, host_lr(cfg))
+
+
+def test_slow_host_accumulation_does_not_block_the_training_thread(monkeypatch):
+    """accumulate_on="host": the host-owned columns cross without blocking and the host
+    worker adds them. Make every add slow: the steps inside a window must still return at
+    once (they only queue work), and the run must be bit for bit the unslowed one."""
+    import time as _time
+
+    from zenflow_triton.host import HostWorker
+
+    cfg = dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
+               accumulate_on="host")
+    feed = GradFeed(12)
+
+    def run():
+        model = FeedModel()
+        times = []
+        with ZenFlowOptimizer(groups(model), min_offload_numel=64, **cfg) as opt:
+            for t in feed.batches:
+                opt.zero_grad()
+                feed.loss(model, t).backward()
+                t0 = _time.perf_counter()
+                opt.step()
+                times.append(_time.perf_counter() - t0)
+            opt.synchronize()
+        return params_of(model), times
+
+    want, _ = run()
+    real_submit = HostWorker.submit
+    delay = 0.4
+    slowed = []
+
+    def slow_submit(self, fn, label):
+        if label.startswith("host accumulation"):
+            def slow():
+                slowed.append(label)
+                _time.sleep(delay)
+                fn()
+            return real_submit(self, slow, label)
+        return real_submit(self, fn, label)
+
+    monkeypatch.setattr(HostWorker, "submit", slow_submit)
+    got, times = run()
+    assert len(slowed) == 12  # every step's accumulation went through the worker
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # Steps 2 and 3 of each window (u % 4 in {2, 3}) neither launch nor apply a window: they
+    # only queue their adds, behind adds that each take `delay`.
+    inside = [times[t] for t in range(len(times)) if (t + 1) % 4 in (2, 3)]
+    assert max(inside) < delay / 2, inside

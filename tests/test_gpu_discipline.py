@@ -28,13 +28,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.lru_cache(maxsize=None)
-def run_counting(n_layers: int, backend: str, dtype=torch.float32, overlap=True):
+def run_counting(n_layers: int, backend: str, dtype=torch.float32, overlap=True,
+                 accumulate_on="device"):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(n_layers)]).to(
         device=DEVICE, dtype=dtype)
     opt = ZenFlowOptimizer(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2,
                            select_interval=4, min_offload_numel=64, backend=backend,
-                           overlap=overlap)
+                           overlap=overlap, accumulate_on=accumulate_on)
     gen = torch.Generator().manual_seed(1)
     counts = {}
     try:
@@ -55,8 +56,10 @@ def run_counting(n_layers: int, backend: str, dtype=torch.float32, overlap=True)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cfg", [dict(overlap=True), dict(overlap=False),
-                                 dict(overlap=True, dtype=torch.bfloat16)],
-                         ids=["overlap", "sync", "overlap-bf16"])
+                                 dict(overlap=True, dtype=torch.bfloat16),
+                                 dict(overlap=True, dtype=torch.bfloat16,
+                                      accumulate_on="host")],
+                         ids=["overlap", "sync", "overlap-bf16", "host-acc-bf16"])
 def test_host_syncs_do_not_grow_with_params(backend, cfg):
     """At most 2 host-blocking calls on a steady step and on an applying boundary, at most 4
     on a reselection, for 16 and for 64 matrices (the finite check reads one flag vector;
@@ -68,6 +71,8 @@ def test_host_syncs_do_not_grow_with_params(backend, cfg):
             c = counts[t]
             assert c.syncs <= bound, (f"{n} matrices, step {t}: {c.syncs} host syncs > "
                                       f"{bound}: {c.sync_sites}")
+            if t != RESELECT:  # steady and applying steps wait for no transfer at all
+                assert "a blocking transfer (Link)" not in c.sync_sites, (n, t, c.sync_sites)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason=triton_available()[1])

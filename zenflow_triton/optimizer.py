@@ -122,6 +122,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                      cores=self.config.host_cores)
         self._worker = HostWorker(self.config.host_timeout)
         self._inflight: HostJob | None = None
+        self._adds: list[HostJob] = []  # accumulate_on="host": add jobs not yet waited for
         self._copy_in: threading.Event | None = None  # set when the job's copy-in is done
         # Gradients of single-step windows, handed to the host in the same step (never
         # kept across steps, so never part of the saved state).
@@ -199,6 +200,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
                                   "(load a checkpoint into a new optimizer)")
+        self._check_adds()
 
         self._global_step += 1
         cfg = self.config
@@ -351,6 +353,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         with no pass through the accumulator (``self._direct``)."""
         self._wait_copy_in()  # the accumulators are the previous job's until it copied them
         acc_on_device = self.config.accumulate_on == "device"
+        to_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host acc, device columns)
         by_group: dict[int, tuple[dict, list, list]] = {}
         for group, p, g in work:
             small, matrices = by_group.setdefault(id(group), (group, [], []))[1:]
@@ -371,7 +374,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 elif acc_on_device:
                     acc = st["acc"]
                 else:  # the columns cross the link every step, in the grad's dtype
-                    st["acc"].add_(self.link.to_host(self._host_columns(g2d, host_idx)))
+                    to_host.append((st["acc"], self._host_columns(g2d, host_idx)))
                 st["acc_count"] += 1
             if has_dev or acc is not None:
                 matrices.append((p, g, st, acc, host_idx))
@@ -395,6 +398,53 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     [st.get("device_master") for _, _, st, *_ in matrices],
                     [st["device_step"] for _, _, st, *_ in matrices],
                     [acc for *_, acc, _ in matrices], [h for *_, h in matrices], **hyper)
+        if to_host:
+            self._accumulate_on_host(to_host)
+
+    def _accumulate_on_host(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """accumulate_on="host": the host-owned columns of every param cross in one copy per
+        device and grad dtype that does not block this thread, and the host worker adds them
+        into the accumulators.
+
+        Ordering invariant: the add job captures the accumulator tensors it adds into, and
+        the worker runs jobs in submission order, so every add of a window is done before
+        that window's host job (submitted later) reads the accumulator; state_dict() and
+        load_state_dict() wait for the adds (``_wait_adds``). The device columns are a
+        gathered copy, so the caller may overwrite ``.grad`` as soon as step() returns."""
+        groups: dict[tuple, list] = {}
+        for acc, cols in items:
+            groups.setdefault((cols.device, cols.dtype), []).append((acc, cols))
+        for members in groups.values():
+            flat = torch.cat([cols.reshape(-1) for _, cols in members])
+            host, wait = self.link.to_host_async(flat)
+            layout = [(acc, cols.shape, cols.numel()) for acc, cols in members]
+            timeout = self.config.host_timeout
+
+            def add(host=host, wait=wait, layout=layout) -> None:
+                wait(timeout)
+                off = 0
+                for acc, shape, n in layout:
+                    acc.add_(host[off:off + n].view(shape))
+                    off += n
+
+            self._adds.append(self._worker.submit(add, f"host accumulation of step "
+                                                       f"{self._global_step}"))
+
+    def _wait_adds(self) -> None:
+        """Wait for the host accumulation jobs submitted so far (their errors raise here)."""
+        adds, self._adds = self._adds, []
+        for job in adds:
+            self._worker.wait(job)
+
+    def _check_adds(self) -> None:
+        """Raise the error of a failed host accumulation job; forget the finished ones."""
+        live = []
+        for job in self._adds:
+            if job.done.is_set():
+                self._worker.wait(job)  # returns at once; raises HostWorkerError if it failed
+            else:
+                live.append(job)
+        self._adds = live
 
     def _host_idx_on_device(self, p: torch.Tensor, st: dict) -> torch.Tensor:
         """``st["host_idx"]`` (kept in host memory) on ``p``'s device, copied once per
@@ -657,6 +707,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             pass
         finally:
             self._inflight = None
+            self._adds = []  # the worker finishes them before it stops
             self._shutdown()
 
     def __enter__(self) -> "ZenFlowOptimizer":
@@ -692,6 +743,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._check_open()  # explains what a copy lacks
         if not self._closed:
             self._wait_inflight()
+            self._wait_adds()
         sd = super().state_dict()
         sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
         sd[_SD_KEY] = {"version": _SD_VERSION, "global_step": self._global_step,
@@ -717,6 +769,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
                                  f"params, this optimizer has {len(g['params'])}")
         self._wait_inflight()
+        self._wait_adds()
         # What the finished job left for its apply belongs to the state being replaced.
         self._stored_by_job, self._job_outbox, self._copy_in = [], {}, None
         self._outboxes.clear_plan()

@@ -107,6 +107,38 @@ class Link:
             raise ValueError("to_device: a non-blocking copy needs a pinned source")
         return src.to(device, non_blocking=non_blocking)
 
+    def to_host_async(self, src: torch.Tensor):
+        """A host copy of ``src`` that does not block the calling thread: returns the host
+        tensor (pinned where CUDA exists) and ``wait(timeout)``, which blocks (bounded) until
+        the copy is done; whoever reads the copy calls it first.
+
+        Ordering invariant (CUDA): the copy runs on this link's copy stream of ``src``'s
+        device, after the work queued so far on the current stream (so it reads ``src``
+        after the kernels that wrote it) and never behind work queued later; ``src``'s
+        memory is not reused before the copy is done (``record_stream``). On CPU the copy is
+        made at once and ``wait`` returns at once."""
+        self._count(d2h=src.numel() * src.element_size())
+        with self._lock:
+            self.async_transfers += 1
+        out = host_empty(src.shape, src.dtype)
+        if src.device.type != "cuda":
+            out.copy_(src)
+            return out, lambda timeout: None
+        stream = self._stream(src.device)
+        stream.wait_event(torch.cuda.current_stream(src.device).record_event())
+        with torch.cuda.stream(stream):
+            out.copy_(src, non_blocking=True)
+            done = stream.record_event()
+        src.record_stream(stream)
+
+        def wait(timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while not done.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a device-to-host copy did not finish within {timeout} s")
+                time.sleep(_POLL_S)
+        return out, wait
+
     def indices_to_device(self, idx: "np.ndarray", device: torch.device) -> torch.Tensor:
         """A host index array (numpy int64) on ``device``: a non-blocking copy from pinned
         memory (a fresh block: nothing rewrites it), counted."""
