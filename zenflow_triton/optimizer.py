@@ -18,26 +18,14 @@ Schedule, with t the global step (1-based) and u = t - warmup_steps:
   written into the param at the next boundary, with overlap=False at once. The apply point is
   fixed by the step count, never by thread timing, so training is bit-for-bit reproducible.
 
-Ordering invariant of the async part: a host job owns, until the optimizer has waited for it
-(``_wait_inflight``), the host master/moments of the host-owned columns and the staging
-buffers of the window's gradient. It also borrows the window's gradient sources (device
-accumulators, or a single-step window's own ``.grad``) until its copy-in is done
-(``_wait_copy_in``): the next accumulation waits for that, and a ``.grad`` source is waited
-for before ``step()`` returns. A job whose result applies at once (overlap=False, warm-up)
-is waited for in the same step, so it may also write the params whose columns are all
-host-owned (``_stored_by_job``); a job owns its params' outboxes until waited for
-(``_job_outbox``), and the apply's non-blocking copy reads an outbox until the work queued
-before the next launch is done, which the next job waits for before it writes one
-(``CopyQueue.wait_launched``); everything else (the other params, the device state)
-belongs to the main thread. The job's device copies go through a ``transfer.CopyQueue``:
-on CUDA a copy stream ordered after what the main thread queued before the launch.
+The host half's buffers, jobs and waits live in ``host.HostPipeline`` (staging, outboxes,
+the job in flight, its copy-in, host accumulation), with their ordering invariants written
+there; this module only decides when to launch a window, when to wait, and when to apply.
 """
 
 from __future__ import annotations
 
 import atexit
-import threading
-import time
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -45,13 +33,12 @@ import numpy as np
 import torch
 
 from .config import ZenFlowConfig
-from .host import (HostAdamW, HostHyper, HostJob, HostWorker, HostWorkerError, Outboxes,
-                   PieceIO)
+from .host import HostAdamW, HostHyper, HostPipeline, HostWorker, HostWorkerError, Window
 from .kernels import (KernelOps, confirm_nonfinite, get_ops, nonfinite_flags,
                       triton_available)
 from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
                         new_accumulator, num_selected, select_columns, view2d)
-from .transfer import Link, host_empty, to_host_memory
+from .transfer import Link, to_host_memory
 
 _SD_KEY = "zenflow"
 _SD_VERSION = 1
@@ -121,21 +108,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout,
                                      cores=self.config.host_cores)
         self._worker = HostWorker(self.config.host_timeout)
-        self._inflight: HostJob | None = None
-        self._adds: list[HostJob] = []  # accumulate_on="host": add jobs not yet waited for
-        self._copy_in: threading.Event | None = None  # set when the job's copy-in is done
-        # Gradients of single-step windows, handed to the host in the same step (never
-        # kept across steps, so never part of the saved state).
-        self._direct: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Per-param host buffers for the window gradient, reused across windows (transient:
-        # free whenever no host job is in flight, so never saved).
-        self._staging: dict[torch.Tensor, torch.Tensor] = {}
+        # The host half's buffers, jobs and waits (staging, outboxes, the job in flight).
+        self._pipeline = HostPipeline(self.link, self._host_adamw, self._worker,
+                                      self.config.host_timeout)
         self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stored_by_job: list[torch.Tensor] = []
-        # Per-param host buffers in the param's dtype (pinned where CUDA exists) that a
-        # deferred job fills with its result piece by piece; the apply copies them as they are.
-        self._outboxes = Outboxes()  # per-param views of one pinned arena per dtype
-        self._job_outbox: dict[torch.Tensor, torch.Tensor] = {}
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -147,8 +123,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._shutdown = weakref.finalize(self, _stop_threads, self._worker, self._host_adamw)
         self._shutdown.atexit = False  # _close_open_optimizers waits for the work first
         _OPEN.add(self)
-        self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0,
-                              host_wait_seconds=0.0, host_busy_seconds=0.0)
+        self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -195,12 +170,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._direct.clear()
         work = self._collect_grads()  # validates every gradient before any state changes
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
                                   "(load a checkpoint into a new optimizer)")
-        self._check_adds()
+        self._pipeline.check()  # a failed host accumulation raises before any change
 
         self._global_step += 1
         cfg = self.config
@@ -218,15 +192,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self._select(fresh)
 
         boundary = warmup or u % cfg.update_interval == 0
-        self._device_half(work,
-                          single_step_window=boundary and (warmup or cfg.update_interval == 1))
+        direct = self._device_half(
+            work, single_step_window=boundary and (warmup or cfg.update_interval == 1))
 
         if boundary:
             if cfg.overlap and not warmup:
                 self._drain()          # apply the window that ended update_interval ago
-                self._launch_host(apply_now=False)
+                self._launch_host(direct, apply_now=False)
             else:
-                self._launch_host(apply_now=True, warmup=warmup)
+                self._launch_host(direct, apply_now=True, warmup=warmup)
                 self._drain()          # synchronous: apply this window's result now
         return loss
 
@@ -274,7 +248,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _rehome(self, p: torch.Tensor, st: dict) -> None:
         """Put the host half back in host memory and the device half on the param's device."""
-        if self._inflight is not None:
+        if self._pipeline.inflight:
             raise RuntimeError(
                 f"the optimizer state of {self._param_name(p)} was moved off its devices "
                 "while host work was in flight (a framework moved optimizer.state between "
@@ -343,15 +317,17 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             host_idx_on_device=self._host_idx_dev)
 
     # ------------------------------------------------------------------ device half
-    def _device_half(self, work, single_step_window: bool) -> None:
+    def _device_half(self, work, single_step_window: bool) -> dict:
         """Every step: AdamW on the device-owned columns and on the small params, and the
         gradient of the host-owned columns into the window accumulator; one multi-tensor op
         per param group for each (launches grow with groups and dtypes, not params).
 
         ``single_step_window``: this step is a whole window (warm-up, update_interval=1); a
         param whose window starts here hands its gradient to the host as it is, at launch,
-        with no pass through the accumulator (``self._direct``)."""
-        self._wait_copy_in()  # the accumulators are the previous job's until it copied them
+        with no pass through the accumulator: returned, ``{param: its host columns}``, for
+        this step's launch."""
+        self._pipeline.wait_copy_in()  # the accumulators are on loan to the job until copied
+        direct: dict[torch.Tensor, torch.Tensor] = {}
         acc_on_device = self.config.accumulate_on == "device"
         to_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host acc, device columns)
         by_group: dict[int, tuple[dict, list, list]] = {}
@@ -370,7 +346,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 g2d = view2d(g)
                 host_idx = self._host_idx_on_device(p, st)
                 if single_step_window and st["acc_count"] == 0:
-                    self._direct[p] = (g2d, host_idx)
+                    direct[p] = self._host_columns(g2d, host_idx)
                 elif acc_on_device:
                     acc = st["acc"]
                 else:  # the columns cross the link every step, in the grad's dtype
@@ -398,53 +374,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     [st.get("device_master") for _, _, st, *_ in matrices],
                     [st["device_step"] for _, _, st, *_ in matrices],
                     [acc for *_, acc, _ in matrices], [h for *_, h in matrices], **hyper)
-        if to_host:
-            self._accumulate_on_host(to_host)
-
-    def _accumulate_on_host(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """accumulate_on="host": the host-owned columns of every param cross in one copy per
-        device and grad dtype that does not block this thread, and the host worker adds them
-        into the accumulators.
-
-        Ordering invariant: the add job captures the accumulator tensors it adds into, and
-        the worker runs jobs in submission order, so every add of a window is done before
-        that window's host job (submitted later) reads the accumulator; state_dict() and
-        load_state_dict() wait for the adds (``_wait_adds``). The device columns are a
-        gathered copy, so the caller may overwrite ``.grad`` as soon as step() returns."""
-        groups: dict[tuple, list] = {}
-        for acc, cols in items:
-            groups.setdefault((cols.device, cols.dtype), []).append((acc, cols))
-        for members in groups.values():
-            flat = torch.cat([cols.reshape(-1) for _, cols in members])
-            host, wait = self.link.to_host_async(flat)
-            layout = [(acc, cols.shape, cols.numel()) for acc, cols in members]
-            timeout = self.config.host_timeout
-
-            def add(host=host, wait=wait, layout=layout) -> None:
-                wait(timeout)
-                off = 0
-                for acc, shape, n in layout:
-                    acc.add_(host[off:off + n].view(shape))
-                    off += n
-
-            self._adds.append(self._worker.submit(add, f"host accumulation of step "
-                                                       f"{self._global_step}"))
-
-    def _wait_adds(self) -> None:
-        """Wait for the host accumulation jobs submitted so far (their errors raise here)."""
-        adds, self._adds = self._adds, []
-        for job in adds:
-            self._worker.wait(job)
-
-    def _check_adds(self) -> None:
-        """Raise the error of a failed host accumulation job; forget the finished ones."""
-        live = []
-        for job in self._adds:
-            if job.done.is_set():
-                self._worker.wait(job)  # returns at once; raises HostWorkerError if it failed
-            else:
-                live.append(job)
-        self._adds = live
+        if to_host:  # the host worker adds them; this thread only queues the copies
+            self._pipeline.accumulate(to_host, f"step {self._global_step}")
+        return direct
 
     def _host_idx_on_device(self, p: torch.Tensor, st: dict) -> torch.Tensor:
         """``st["host_idx"]`` (kept in host memory) on ``p``'s device, copied once per
@@ -454,18 +386,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             cached = self._host_idx_dev[p] = (st["host_idx"], st["host_idx"].to(p.device))
         return cached[1]
 
-    @staticmethod
-    def _reusable(cache: dict, p: torch.Tensor, shape,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``cache[p]``: a host buffer of ``shape`` and ``dtype`` (pinned where CUDA exists),
-        reused across windows; reallocated only when a reselection changed the host-owned
-        column count. ``self._staging`` holds the window gradients (fp32); the results in the
-        params' dtypes go to ``self._outboxes`` (one arena per dtype)."""
-        buf = cache.get(p)
-        if buf is None or buf.shape != torch.Size(shape):
-            buf = cache[p] = host_empty(shape, dtype)
-        return buf
-
     def _host_columns(self, g2d: torch.Tensor, host_idx: torch.Tensor) -> torch.Tensor:
         """g2d[:, host_idx], without a gather when every column is host-owned."""
         if host_idx.numel() == g2d.shape[1]:
@@ -473,86 +393,32 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return self.ops.gather_columns(g2d, host_idx)
 
     # ------------------------------------------------------------------ host half
-    def _launch_host(self, apply_now: bool, warmup: bool = False) -> None:
-        """Hand every param's window-mean gradient to the host worker (one job).
+    def _launch_host(self, direct: dict, apply_now: bool, warmup: bool = False) -> None:
+        """Hand every param's window to the host pipeline (one job): what crosses, the
+        hyperparameters of this step (host lr times the multiplier), where the result goes.
 
-        ``warmup``: a warm-up step, plain AdamW (host lr multiplier 1).
-
-        ``apply_now``: the caller drains this job at once (overlap=False, warm-up). The job
-        then streams: each pool worker loads a piece of the gradient straight from its source
-        into its own scratch, updates it, and (for a param whose columns are all host-owned)
-        writes the master piece into the param at once, so no full-size staging buffer is
-        needed and each piece is copied while it is in cache. Otherwise the job first copies
-        every source into a per-param staging buffer, so the sources (device accumulators,
-        or a ``.grad``) are free again early, while the host computes. In both modes, where
-        the apply needs the result in another dtype or on a CUDA device, each updated master
-        piece is cast into a per-param outbox (host, the param's dtype, pinned) while it is in
-        cache, so the apply is one plain non-blocking copy; the job waits, before it writes an
-        outbox, for the work queued before its launch (the last apply's copies read them).
-        """
-        assert self._inflight is None, "a host job is still in flight"
-        tasks = []
-        stage: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
-        stored: list[torch.Tensor] = []  # params whose copy-out the job does
-        outboxes: dict[torch.Tensor, torch.Tensor] = {}  # planned once the loop is done
-        box_items = []
-        devices: set[torch.device] = set()
-        queue = None  # the job's CopyQueue, made below once the devices are known
-
-        def piece_load(flat: torch.Tensor, zero: bool):
-            def load(s: int, e: int, out: torch.Tensor) -> None:
-                queue.copy(out, flat[s:e])
-                if zero:
-                    queue.zero_(flat[s:e])
-            return load
-
-        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor):
-            def store(s: int, e: int) -> None:
-                queue.copy(param_flat[s:e], master_flat[s:e])
-            return store
-
-        def outbox_store(p: torch.Tensor, master_flat: torch.Tensor):
-            def store(s: int, e: int) -> None:
-                queue.wait_launched()  # the last apply's non-blocking copy may still read it
-                queue.copy(outboxes[p].view(-1)[s:e], master_flat[s:e])
-            return store
-
+        ``direct``: the host columns of params whose window is this step alone. ``warmup``:
+        a warm-up step, plain AdamW (host lr multiplier 1). ``apply_now``: the caller
+        applies this job's result in this step (overlap=False, warm-up); a param whose
+        columns are all host-owned is then written by the job itself."""
+        windows = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 st = self.state.get(p)
                 if not st or st["kind"] != MATRIX or st["acc_count"] == 0:
                     continue
-                acc, count = st["acc"], st["acc_count"]
-                load = store = None
-                if p in self._direct:  # in the grad's dtype over the link, fp32 on the host
-                    src, zero_src = self._host_columns(*self._direct.pop(p)), False
+                count = st["acc_count"]
+                if p in direct:  # in the grad's dtype over the link, fp32 on the host
+                    source, grad = "direct", direct[p]
                 elif self.config.accumulate_on == "device":  # fp32 window sum, once a window
-                    src, zero_src = acc, True  # the job zeroes it after the copy
-                else:  # host accumulator: the job takes it, the spare becomes the accumulator
-                    src = None
-                    grad = acc
-                    st["acc"] = self._reusable(self._staging, p, acc.shape).zero_()
-                    self._staging[p] = acc
-                if src is not None:
-                    devices.add(src.device)
-                    self.link.count_d2h(src.numel() * src.element_size())  # at launch: stats()
-                    if apply_now:                                           # never races the job
-                        grad, load = None, piece_load(src.reshape(-1), zero_src)
-                    else:
-                        grad = self._reusable(self._staging, p, src.shape)
-                        stage.append((grad, src, zero_src))
-                if apply_now and st["host_idx"].numel() == view2d(p).shape[1]:
-                    devices.add(p.device)
-                    self.link.count_h2d(p.numel() * p.element_size())
-                    store = piece_store(p.detach().view(-1), st["host_master"].view(-1))
-                    stored.append(p)
-                elif p.device.type == "cuda" or p.dtype != torch.float32:
-                    # The job's queue must know p's device even when no gradient of p crosses
-                    # (accumulate_on="host"): wait_launched() waits for that device's apply.
-                    devices.add(p.device)
-                    box_items.append((p, st["host_master"].shape, p.dtype, p.device))
-                    store = outbox_store(p, st["host_master"].view(-1))
+                    source, grad = "device_acc", st["acc"]
+                else:
+                    source, grad = "host_acc", st["acc"]
+                full_host = st["host_idx"].numel() == view2d(p).shape[1]
+                store_into = p.detach().view(-1) if apply_now and full_host else None
+                needs_box = store_into is None and (p.device.type == "cuda"
+                                                    or p.dtype != torch.float32)
                 st["acc_count"] = 0
                 st["host_step"] += 1
                 st["host_pending"] = True
@@ -560,81 +426,30 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
                                   eps=group["eps"], weight_decay=group["weight_decay"],
                                   step=st["host_step"], grad_divisor=float(count))
-                io = PieceIO(load, store) if load or store else None
-                tasks.append((st["host_master"], grad, st["host_m"], st["host_v"], hyper)
-                             + ((io,) if io else ()))
-        if not tasks:
+                windows.append(Window(p, st["host_master"], st["host_m"], st["host_v"], hyper,
+                                      source, grad, store_into,
+                                      p.detach() if needs_box else None))
+        if not windows:
             return
-        outboxes.update(self._outboxes.plan(box_items))
-        adamw = self._host_adamw
-        queue = self.link.copy_queue(devices, self.config.host_timeout)
-        copied_in = threading.Event()
-
-        def run() -> None:
-            try:  # copy-in first (staged jobs): device -> host staging, then the sources are
-                for dst, src, zero_src in stage:  # free again
-                    queue.copy(dst, src)
-                    if zero_src:
-                        queue.zero_(src)
-                queue.flush()
-            finally:
-                if stage:
-                    copied_in.set()
-            try:
-                adamw.update_many(tasks)  # every param of the window in one pool dispatch
-                queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
-            finally:
-                copied_in.set()
-
         self._counters["host_updates"] += 1
-        self._inflight = self._worker.submit(run, f"host AdamW of step {self._global_step}")
-        self._copy_in = copied_in
-        self._stored_by_job = stored
-        self._job_outbox = outboxes
-        if any(not zero_src for _, src, zero_src in stage):
-            # A param's own .grad: the caller may overwrite it once step() returns.
-            self._wait_copy_in()
-
-    def _wait_copy_in(self) -> None:
-        """Block until the job in flight has copied its window's gradients off the device
-        accumulators (they are on loan to it until then)."""
-        if self._copy_in is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            self._worker.wait_event(self._copy_in, "the copy-in of the host job in flight")
-        finally:
-            self._counters["host_wait_seconds"] += time.perf_counter() - t0
-        self._copy_in = None
-
-    def _wait_inflight(self) -> None:
-        job = self._inflight
-        if job is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            self._worker.wait(job)
-        finally:
-            self._counters["host_wait_seconds"] += time.perf_counter() - t0
-            if job.done.is_set():
-                self._counters["host_busy_seconds"] += job.busy_seconds
-                self._inflight = None
-                self._copy_in = None
+        new_accs = self._pipeline.launch(windows, apply_now,
+                                         f"host AdamW of step {self._global_step}")
+        for p, acc in new_accs.items():
+            self.state[p]["acc"] = acc
 
     def _drain(self) -> None:
         """Wait for host work in flight, then write every pending host result into its param."""
-        self._wait_inflight()
-        for p in self._stored_by_job:  # the job wrote these params itself
+        self._pipeline.wait()
+        stored, boxed_keys = self._pipeline.take_results()
+        for p in stored:  # the job wrote these params itself
             self.state[p]["host_pending"] = False
-        self._stored_by_job = []
-        outboxes, self._job_outbox = self._job_outbox, {}
         pending = [(p, st) for group in self.param_groups for p in group["params"]
                    for st in (self.state.get(p),) if st and st.get("host_pending")]
         if not pending:
             return
         # The job's results, already in each param's dtype: one non-blocking copy per arena
         # (the next job waits for it before it rewrites an outbox: CopyQueue.wait_launched).
-        boxed = self._outboxes.to_device(self.link, [p for p, _ in pending if p in outboxes])
+        boxed = self._pipeline.results_on_device([p for p, _ in pending if p in boxed_keys])
         srcs = []
         for p, st in pending:
             if p in boxed:
@@ -689,11 +504,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     bytes_device_to_host=self.link.bytes_d2h,
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=dev_elems / total if total else 0.0,
-                    host_staging_bytes=sum(b.numel() * b.element_size()
-                                           for b in self._staging.values())
-                    + self._outboxes.nbytes()
-                    + self._host_adamw.scratch_bytes(),
-                    host_inflight=self._inflight is not None, **self._counters)
+                    host_staging_bytes=self._pipeline.staging_bytes(),
+                    host_inflight=self._pipeline.inflight, **self._all_counters())
+
+    def _all_counters(self) -> dict[str, Any]:
+        return dict(self._counters, host_wait_seconds=self._pipeline.wait_seconds,
+                    host_busy_seconds=self._pipeline.busy_seconds)
 
     def close(self) -> None:
         """Stop the host threads (after waiting for work in flight); idempotent."""
@@ -701,13 +517,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             return
         self._closed = True
         try:
-            if self._inflight is not None:
-                self._worker.wait(self._inflight)
+            self._pipeline.wait()
         except Exception:  # closing must not raise for a job that already failed
             pass
         finally:
-            self._inflight = None
-            self._adds = []  # the worker finishes them before it stops
+            self._pipeline.abandon()  # the worker finishes queued jobs before it stops
             self._shutdown()
 
     def __enter__(self) -> "ZenFlowOptimizer":
@@ -742,13 +556,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if getattr(self, "_detached", False):
             self._check_open()  # explains what a copy lacks
         if not self._closed:
-            self._wait_inflight()
-            self._wait_adds()
+            self._pipeline.wait_all()
         sd = super().state_dict()
         sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
         sd[_SD_KEY] = {"version": _SD_VERSION, "global_step": self._global_step,
                        "config": self.config.to_dict(), "backend": self._backend,
-                       "counters": dict(self._counters),
+                       "counters": self._all_counters(),
                        "bytes_device_to_host": self.link.bytes_d2h,
                        "bytes_host_to_device": self.link.bytes_h2d}
         return sd
@@ -768,12 +581,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
                                  f"params, this optimizer has {len(g['params'])}")
-        self._wait_inflight()
-        self._wait_adds()
+        self._pipeline.wait_all()
         # What the finished job left for its apply belongs to the state being replaced.
-        self._stored_by_job, self._job_outbox, self._copy_in = [], {}, None
-        self._outboxes.clear_plan()
-        self._direct.clear()
+        self._pipeline.forget()
         meta = state_dict.get(_SD_KEY, {})
         if meta.get("version", _SD_VERSION) > _SD_VERSION:
             raise ValueError(f"state_dict format version {meta['version']} is newer than this "
@@ -792,7 +602,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             p = id_map[key]
             self.state[p] = self._restore_param_state(p, saved)
         self._global_step = int(meta.get("global_step", 0))
-        self._counters.update(meta.get("counters", {}))
+        counters = dict(meta.get("counters", {}))
+        self._pipeline.wait_seconds = float(counters.pop("host_wait_seconds", 0.0))
+        self._pipeline.busy_seconds = float(counters.pop("host_busy_seconds", 0.0))
+        self._counters.update(counters)
         self.link.bytes_d2h = int(meta.get("bytes_device_to_host", 0))
         self.link.bytes_h2d = int(meta.get("bytes_host_to_device", 0))
 

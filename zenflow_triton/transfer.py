@@ -14,8 +14,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _POLL_S = 1e-4
 BOUNCE_ELEMS = 1 << 20

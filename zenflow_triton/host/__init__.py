@@ -2,6 +2,7 @@
 
 from .adamw import HostAdamW, HostHyper, PieceIO
 from .outbox import Outboxes
+from .pipeline import HostPipeline, Window
 from .worker import HostJob, HostWorker, HostWorkerError
 
-__all__ = ["HostAdamW", "HostHyper", "Outboxes", "PieceIO", "HostJob", "HostWorker", "HostWorkerError"]
+__all__ = ["HostAdamW", "HostHyper", "HostPipeline", "Outboxes", "PieceIO", "Window", "HostJob", "HostWorker", "HostWorkerError"]

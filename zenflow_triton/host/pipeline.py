@@ -1,0 +1,297 @@
+"""The host pipeline: the buffers, jobs and waits of the host half, behind a narrow door.
+
+The optimizer decides *when* (its schedule) and *what* (a :class:`Window` per param at a
+window boundary); this room owns *how*: the staging buffers of the window gradients, the
+outboxes of the results, the job in flight and its copy-in event, and the host
+accumulation jobs. The door:
+
+* :meth:`HostPipeline.accumulate` (``accumulate_on="host"``, every step),
+* :meth:`HostPipeline.wait_copy_in` (before the next accumulation into a source on loan),
+* :meth:`HostPipeline.launch` (a window boundary), :meth:`HostPipeline.wait` (the job),
+* :meth:`HostPipeline.take_results` and :meth:`HostPipeline.results_on_device` (the apply),
+* :meth:`HostPipeline.check`, :meth:`HostPipeline.wait_all`, :meth:`HostPipeline.forget`.
+
+Ordering invariants:
+
+* A job owns, until :meth:`wait` returns, the host master and moments of its windows, its
+  staging buffers and outboxes, and the params it stores into (a window whose result
+  applies at once and whose columns are all host-owned). It borrows the window gradients'
+  sources (device accumulators, or a ``.grad``) until its copy-in is done: the next
+  accumulation waits for that (:meth:`wait_copy_in`), and :meth:`launch` waits for it
+  before returning when a source is a ``.grad`` the caller may overwrite.
+* The worker runs jobs in submission order: every host accumulation of a window is done
+  before that window's job reads its accumulator.
+* The apply reads the outboxes with a non-blocking copy on the training stream; the next
+  job rewrites an outbox only after the work queued before its own launch is done
+  (``CopyQueue.wait_launched``).
+* The job's device copies go through a ``transfer.CopyQueue``: on CUDA a copy stream
+  ordered after what the training thread queued before the launch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Hashable, Literal, Sequence
+
+import torch
+
+from ..transfer import Link, host_empty
+from .adamw import HostAdamW, HostHyper, PieceIO
+from .outbox import Outboxes
+from .worker import HostJob, HostWorker
+
+Source = Literal["direct", "device_acc", "host_acc"]
+
+
+@dataclass
+class Window:
+    """One param's part of a host job.
+
+    ``source``: where the window's gradient is: ``"direct"`` (a one-step window's own
+    gradient columns on the device, ``grad``), ``"device_acc"`` (the fp32 device
+    accumulator ``grad``, zeroed by the job once copied) or ``"host_acc"`` (the host
+    accumulator ``grad``, handed to the job; a spare becomes the accumulator).
+    ``store_into``: the param's flat view, when the job writes the result into it itself.
+    ``outbox``: the param, when the result reaches it through an outbox (another dtype, or
+    a CUDA param): its dtype, device and the master's shape size the outbox."""
+    key: Hashable
+    master: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    hyper: HostHyper
+    source: Source
+    grad: torch.Tensor
+    store_into: torch.Tensor | None = None
+    outbox: torch.Tensor | None = None
+
+
+class HostPipeline:
+    def __init__(self, link: Link, adamw: HostAdamW, worker: HostWorker,
+                 timeout: float) -> None:
+        self.link = link
+        self._adamw = adamw
+        self._worker = worker
+        self._timeout = timeout
+        self._inflight: HostJob | None = None
+        self._copy_in: threading.Event | None = None  # set when the job's copy-in is done
+        self._adds: list[HostJob] = []  # host accumulation jobs not yet waited for
+        # Per-param host buffers for the window gradient (fp32), reused across windows;
+        # with host accumulation, the spare accumulators.
+        self._staging: dict[Hashable, torch.Tensor] = {}
+        self._outboxes = Outboxes()
+        self._job_outbox: dict[Hashable, torch.Tensor] = {}
+        self._stored: list[Hashable] = []
+        self.wait_seconds = 0.0
+        self.busy_seconds = 0.0
+
+    # ------------------------------------------------------------------ every step
+    def accumulate(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   label: str) -> None:
+        """Add each ``(host accumulator, device columns)``'s columns into the accumulator,
+        on the host worker: the columns cross in one copy per device and dtype that does
+        not block this thread. The columns must be this step's own copy (a gather), so the
+        caller may overwrite the gradient once this returns."""
+        groups: dict[tuple, list] = {}
+        for acc, cols in items:
+            groups.setdefault((cols.device, cols.dtype), []).append((acc, cols))
+        for members in groups.values():
+            flat = torch.cat([cols.reshape(-1) for _, cols in members])
+            host, wait = self.link.to_host_async(flat)
+            layout = [(acc, cols.shape, cols.numel()) for acc, cols in members]
+            timeout = self._timeout
+
+            def add(host=host, wait=wait, layout=layout) -> None:
+                wait(timeout)
+                off = 0
+                for acc, shape, n in layout:
+                    acc.add_(host[off:off + n].view(shape))
+                    off += n
+
+            self._adds.append(self._worker.submit(add, f"host accumulation of {label}"))
+
+    def check(self) -> None:
+        """Raise the error of a failed host accumulation; forget the finished ones."""
+        live = []
+        for job in self._adds:
+            if job.done.is_set():
+                self._worker.wait(job)  # returns at once; raises HostWorkerError if it failed
+            else:
+                live.append(job)
+        self._adds = live
+
+    def wait_copy_in(self) -> None:
+        """Block until the job in flight has copied its window's gradients off the device
+        sources (they are on loan to it until then)."""
+        if self._copy_in is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._worker.wait_event(self._copy_in, "the copy-in of the host job in flight")
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+        self._copy_in = None
+
+    # ------------------------------------------------------------------ a window
+    def launch(self, windows: Sequence[Window], apply_now: bool,
+               label: str) -> dict[Hashable, torch.Tensor]:
+        """Hand ``windows`` to the host worker as one job; returns, for each ``"host_acc"``
+        window, the accumulator that replaces the one the job took.
+
+        ``apply_now``: the caller waits for this job at once (overlap=False, warm-up). The
+        job then streams: each pool worker loads a piece of the gradient straight from its
+        source into its own scratch, updates it, and stores it, so no full-size staging
+        buffer is needed and each piece is copied while it is in cache. Otherwise the job
+        first copies every source into a staging buffer, so the sources are free again early,
+        while the host computes. Results for an outbox are cast into it piece by piece, so
+        the apply is one plain non-blocking copy per arena."""
+        assert self._inflight is None, "a host job is still in flight"
+        tasks = []
+        stage: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
+        stored: list[Hashable] = []
+        outboxes: dict[Hashable, torch.Tensor] = {}  # planned once the loop is done
+        box_items = []
+        new_accs: dict[Hashable, torch.Tensor] = {}
+        devices: set[torch.device] = set()
+        queue = None  # the job's CopyQueue, made below once the devices are known
+
+        def piece_load(flat: torch.Tensor, zero: bool):
+            def load(s: int, e: int, out: torch.Tensor) -> None:
+                queue.copy(out, flat[s:e])
+                if zero:
+                    queue.zero_(flat[s:e])
+            return load
+
+        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor):
+            def store(s: int, e: int) -> None:
+                queue.copy(param_flat[s:e], master_flat[s:e])
+            return store
+
+        def outbox_store(key: Hashable, master_flat: torch.Tensor):
+            def store(s: int, e: int) -> None:
+                queue.wait_launched()  # the last apply's non-blocking copy may still read it
+                queue.copy(outboxes[key].view(-1)[s:e], master_flat[s:e])
+            return store
+
+        for w in windows:
+            load = store = None
+            if w.source == "host_acc":  # the job takes it, the spare becomes the accumulator
+                grad = w.grad
+                spare = self._reusable(w.key, w.grad.shape)
+                new_accs[w.key] = spare.zero_()
+                self._staging[w.key] = w.grad
+            else:
+                src, zero_src = w.grad, w.source == "device_acc"
+                devices.add(src.device)
+                self.link.count_d2h(src.numel() * src.element_size())  # at launch: stats()
+                if apply_now:                                           # never races the job
+                    grad, load = None, piece_load(src.reshape(-1), zero_src)
+                else:
+                    grad = self._reusable(w.key, src.shape)
+                    stage.append((grad, src, zero_src))
+            if w.store_into is not None:
+                devices.add(w.store_into.device)
+                self.link.count_h2d(w.store_into.numel() * w.store_into.element_size())
+                store = piece_store(w.store_into, w.master.view(-1))
+                stored.append(w.key)
+            elif w.outbox is not None:
+                # The queue must know the outbox's device even when no gradient crosses
+                # (host accumulation): wait_launched() waits for that device's apply.
+                devices.add(w.outbox.device)
+                box_items.append((w.key, w.master.shape, w.outbox.dtype, w.outbox.device))
+                store = outbox_store(w.key, w.master.view(-1))
+            io = PieceIO(load, store) if load or store else None
+            tasks.append((w.master, grad, w.m, w.v, w.hyper) + ((io,) if io else ()))
+        if not tasks:
+            return new_accs
+        outboxes.update(self._outboxes.plan(box_items))
+        adamw = self._adamw
+        queue = self.link.copy_queue(devices, self._timeout)
+        copied_in = threading.Event()
+
+        def run() -> None:
+            try:  # copy-in first (staged jobs): device -> host staging, then the sources are
+                for dst, src, zero_src in stage:  # free again
+                    queue.copy(dst, src)
+                    if zero_src:
+                        queue.zero_(src)
+                queue.flush()
+            finally:
+                if stage:
+                    copied_in.set()
+            try:
+                adamw.update_many(tasks)  # every param of the window in one pool dispatch
+                queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
+            finally:
+                copied_in.set()
+
+        self._inflight = self._worker.submit(run, label)
+        self._copy_in = copied_in
+        self._stored = stored
+        self._job_outbox = outboxes
+        if any(not zero_src for _, _, zero_src in stage):
+            # A param's own .grad: the caller may overwrite it once step() returns.
+            self.wait_copy_in()
+        return new_accs
+
+    def _reusable(self, key: Hashable, shape) -> torch.Tensor:
+        """The staging buffer of ``key`` (host, fp32, pinned where CUDA exists), reused
+        across windows; reallocated only when a reselection changed its column count."""
+        buf = self._staging.get(key)
+        if buf is None or buf.shape != torch.Size(shape):
+            buf = self._staging[key] = host_empty(shape, torch.float32)
+        return buf
+
+    def wait(self) -> None:
+        """Wait for the job in flight (bounded); its error raises here."""
+        job = self._inflight
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._worker.wait(job)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+            if job.done.is_set():
+                self.busy_seconds += job.busy_seconds
+                self._inflight = None
+                self._copy_in = None
+
+    def take_results(self) -> tuple[list[Hashable], set[Hashable]]:
+        """After :meth:`wait`: the keys whose params the job wrote itself, and the keys whose
+        results wait in an outbox (for :meth:`results_on_device`)."""
+        stored, self._stored = self._stored, []
+        boxed, self._job_outbox = set(self._job_outbox), {}
+        return stored, boxed
+
+    def results_on_device(self, keys: Sequence[Hashable]) -> dict[Hashable, torch.Tensor]:
+        """The outboxes of ``keys`` on their devices: one non-blocking copy per arena."""
+        return self._outboxes.to_device(self.link, list(keys)) if keys else {}
+
+    # ------------------------------------------------------------------ around checkpoints
+    @property
+    def inflight(self) -> bool:
+        return self._inflight is not None
+
+    def wait_all(self) -> None:
+        """Wait for the job in flight and every host accumulation."""
+        self.wait()
+        adds, self._adds = self._adds, []
+        for job in adds:
+            self._worker.wait(job)
+
+    def forget(self) -> None:
+        """The state the finished job worked for was replaced (load_state_dict): drop what
+        it left for its apply."""
+        self._stored, self._job_outbox, self._copy_in = [], {}, None
+        self._outboxes.clear_plan()
+
+    def abandon(self) -> None:
+        """close(): the worker finishes queued jobs before it stops; forget them here."""
+        self._inflight = None
+        self._adds = []
+
+    def staging_bytes(self) -> int:
+        return (sum(b.numel() * b.element_size() for b in self._staging.values())
+                + self._outboxes.nbytes() + self._adamw.scratch_bytes())
