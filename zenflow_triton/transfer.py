@@ -5,8 +5,9 @@ On a CPU-only run "device" and host are the same memory, but the copies are stil
 (the host works on its own buffers while the training loop goes on) and counted as the bytes
 that would cross the link.
 
-The host job's own copies go through a :class:`CopyQueue` (see there): on CUDA a dedicated
-copy stream per device, ordered after the work queued before the job was launched.
+The host job's own copies go through a :class:`CopyQueue` (see there): on CUDA the link's
+copy streams of each device, one per direction, ordered after the work queued before the
+job was launched.
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ class Link:
     ``blocking_transfers`` counts the copies made through :meth:`to_host` and blocking
     :meth:`to_device` calls: on a GPU the calling thread waits for each (and for the work
     queued before it), so a step's count is what a CPU run cannot time.
-    ``async_transfers`` counts non-blocking :meth:`to_device` calls. Both count on a
+    ``async_transfers`` counts the copies that do not block the calling thread
+    (:meth:`to_host_async`, :meth:`to_device_async`, :meth:`indices_to_device`, non-blocking
+    :meth:`to_device`). Both count on a
     CPU-only run too, where the copy may be skipped: they describe the GPU path.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._streams: dict[torch.device, object] = {}
+        self._streams: dict[tuple[torch.device, str], object] = {}
         self._local = threading.local()  # per thread: its bounce buffers, by dtype
         self.bytes_d2h = 0
         self.bytes_h2d = 0
@@ -128,7 +131,7 @@ class Link:
         if src.device.type != "cuda":
             out.copy_(src)
             return out, lambda timeout: None
-        stream = self._stream(src.device)
+        stream = self._stream(src.device, "d2h")
         stream.wait_event(torch.cuda.current_stream(src.device).record_event())
         with torch.cuda.stream(stream):
             out.copy_(src, non_blocking=True)
@@ -142,6 +145,35 @@ class Link:
                     raise TimeoutError(f"a device-to-host copy did not finish within {timeout} s")
                 time.sleep(_POLL_S)
         return out, wait
+
+    def to_device_async(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``src`` (pinned host memory, already complete) on ``device``, copied on this link's
+        host-to-device stream so the copy does not wait behind the work queued on the
+        training stream; the training stream waits for the copy before its next work (the
+        apply's scatter), and the result's memory is kept until that work is done. Whoever
+        rewrites ``src`` next waits for the training stream's work queued so far
+        (``CopyQueue.wait_launched``). CPU: ``src`` itself. Counted as non-blocking. The
+        result is allocated from the copy stream's pool, so after it is freed that block
+        serves the copy stream's next allocation (about one arena per dtype stays cached
+        there)."""
+        self._count(h2d=src.numel() * src.element_size())
+        with self._lock:
+            self.async_transfers += 1
+        device = torch.device(device)
+        if src.device == device:
+            return src  # CPU-only run: the "device" already holds it
+        if device.type != "cuda":
+            return src.to(device, non_blocking=True)
+        if host_can_pin() and src.numel() and not src.is_pinned():
+            raise ValueError("to_device_async: a non-blocking copy needs a pinned source")
+        stream = self._stream(device, "h2d")
+        with torch.cuda.stream(stream):
+            out = src.to(device, non_blocking=True)
+            done = stream.record_event()
+        current = torch.cuda.current_stream(device)
+        current.wait_event(done)
+        out.record_stream(current)
+        return out
 
     def indices_to_device(self, idx: "np.ndarray", device: torch.device) -> torch.Tensor:
         """A host index array (numpy int64) on ``device``: a non-blocking copy from pinned
@@ -174,19 +206,23 @@ class Link:
             buf = bufs[dtype] = host_empty((max(n, 1),), dtype)
         return buf[:n]
 
-    def _stream(self, device: torch.device):
-        """This link's copy stream on a CUDA ``device`` (created once, then reused)."""
+    def _stream(self, device: torch.device, direction: str):
+        """This link's copy stream of ``direction`` ("d2h" or "h2d") on a CUDA ``device``
+        (created once, then reused): one per direction, so a copy up never queues behind a
+        copy down."""
+        key = (torch.device(device), direction)
         with self._lock:
-            if device not in self._streams:
-                self._streams[device] = torch.cuda.Stream(device=device)
-            return self._streams[device]
+            if key not in self._streams:
+                self._streams[key] = torch.cuda.Stream(device=device)
+            return self._streams[key]
 
 
 class CopyQueue:
     """The device copies of one host job, ordered after what was queued before its launch.
 
     Ordering invariant (CUDA): created on the launching thread, it records an event on each
-    device's current stream and makes the link's copy stream of that device wait for it. So
+    device's current stream and makes the link's copy streams of that device (one per
+    direction: gradients down, params up) wait for it. So
     a copy reads a gradient only after the kernels that wrote it, and writes a param only
     after the kernels queued before the launch that use it; and it never waits for kernels
     the training loop queues later (as a copy on the default stream would). Each copy blocks
@@ -198,17 +234,19 @@ class CopyQueue:
     def __init__(self, link: Link, devices, timeout: float) -> None:
         self.timeout = float(timeout)
         self._link = link
-        self._streams: dict[torch.device, object] = {}
+        self._streams: dict[tuple[torch.device, str], object] = {}
+        self._used: set[tuple[torch.device, str]] = set()
         self._launched: list = []  # per device: the event recorded at launch, until reached
         for dev in {torch.device(d) for d in devices}:
             if dev.type != "cuda":
                 continue
             dev = torch.device("cuda", dev.index if dev.index is not None
                                else torch.cuda.current_device())
-            stream = link._stream(dev)
             launched = torch.cuda.current_stream(dev).record_event()
-            stream.wait_event(launched)
-            self._streams[dev] = stream
+            for direction in ("d2h", "h2d"):
+                stream = link._stream(dev, direction)
+                stream.wait_event(launched)
+                self._streams[(dev, direction)] = stream
             self._launched.append(launched)
 
     def wait_launched(self) -> None:
@@ -225,11 +263,20 @@ class CopyQueue:
                 time.sleep(_POLL_S)
         self._launched = []
 
-    def _on(self, *tensors: torch.Tensor):
-        for t in tensors:
-            if t.device.type == "cuda":
-                return torch.cuda.stream(self._streams[t.device])
+    def _on(self, dst: torch.Tensor, src: torch.Tensor | None = None):
+        """The copy stream for writing ``dst`` from ``src``: up ("h2d") when the destination
+        is on the device, down ("d2h") when only the source is; none on CPU."""
+        if dst.device.type == "cuda":
+            return self._use((dst.device, "h2d"))
+        if src is not None and src.device.type == "cuda":
+            return self._use((src.device, "d2h"))
         return contextlib.nullcontext()
+
+    def _use(self, key):
+        """Run on the copy stream ``key`` (device, direction), which flush() then waits for:
+        only the streams this job used, not work other jobs queue on them later."""
+        self._used.add(key)
+        return torch.cuda.stream(self._streams[key])
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` (with a cast), done when it returns. Across the link with a
@@ -264,13 +311,16 @@ class CopyQueue:
             d[a:b].copy_(bounce)  # D2H: the host cast; H2D: the transfer
 
     def zero_(self, t: torch.Tensor) -> None:
-        """``t.zero_()``, in order after this queue's earlier copies; done after flush()."""
-        with self._on(t):
+        """``t.zero_()`` of a source the job copied down, on the down stream, so in order
+        after that copy; done after flush()."""
+        ctx = (self._use((t.device, "d2h")) if t.device.type == "cuda"
+               else contextlib.nullcontext())
+        with ctx:
             t.zero_()
 
     def flush(self) -> None:
-        """Wait until everything queued on the copy streams so far is done (bounded)."""
-        for stream in self._streams.values():
+        """Wait until everything this job queued on the copy streams is done (bounded)."""
+        for stream in (self._streams[key] for key in self._used):
             event = stream.record_event()
             deadline = time.monotonic() + self.timeout
             while not event.query():

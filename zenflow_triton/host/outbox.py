@@ -6,7 +6,8 @@ wastes less than a buffer per param, and the apply crosses the link in one copy 
 instead of one per param.
 
 Ordering invariant: a job writes the views :meth:`Outboxes.plan` gave it; the apply reads
-them with a non-blocking copy queued on the training thread's stream, and the next job
+them with a copy on the link's host-to-device stream that the training stream waits for
+(``Link.to_device_async``), and the next job
 rewrites them only after the work queued before its own launch is done
 (``CopyQueue.wait_launched``). A plan is made at each launch and used by that job's apply,
 which always comes before the next launch.
@@ -52,10 +53,10 @@ class Outboxes:
         return flat[off:off + shape.numel()].view(shape)
 
     def to_device(self, link: Link, keys: Sequence[Hashable]) -> dict[Hashable, torch.Tensor]:
-        """The planned views of ``keys`` on their devices: one non-blocking copy per arena
-        (its planned part), counted by ``link``."""
+        """The planned views of ``keys`` on their devices: one copy per arena (its planned
+        part) on the host-to-device stream, which the training stream waits for; counted."""
         wanted = {self._layout[k][0] for k in keys}
-        on_device = {a: link.to_device(self._arenas[a][:self._used[a]], a[0], non_blocking=True)
+        on_device = {a: link.to_device_async(self._arenas[a][:self._used[a]], a[0])
                      for a in wanted}
         return {k: self._view(on_device[self._layout[k][0]], self._layout[k][1],
                               self._layout[k][2]) for k in keys}

@@ -21,11 +21,13 @@ Ordering invariants:
   before returning when a source is a ``.grad`` the caller may overwrite.
 * The worker runs jobs in submission order: every host accumulation of a window is done
   before that window's job reads its accumulator.
-* The apply reads the outboxes with a non-blocking copy on the training stream; the next
-  job rewrites an outbox only after the work queued before its own launch is done
-  (``CopyQueue.wait_launched``).
-* The job's device copies go through a ``transfer.CopyQueue``: on CUDA a copy stream
-  ordered after what the training thread queued before the launch.
+* The apply reads the outboxes with a copy on the link's host-to-device stream that the
+  training stream waits for (``Link.to_device_async``); the next job rewrites an outbox
+  only after the work queued on the training stream before its own launch is done
+  (``CopyQueue.wait_launched``), which includes that wait.
+* The job's device copies go through a ``transfer.CopyQueue``: on CUDA the link's copy
+  streams (one per direction), ordered after what the training thread queued before the
+  launch.
 """
 
 from __future__ import annotations
@@ -145,7 +147,7 @@ class HostPipeline:
         buffer is needed and each piece is copied while it is in cache. Otherwise the job
         first copies every source into a staging buffer, so the sources are free again early,
         while the host computes. Results for an outbox are cast into it piece by piece, so
-        the apply is one plain non-blocking copy per arena."""
+        the apply is one plain copy per arena, which does not block the training thread."""
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
         stage: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
@@ -223,6 +225,12 @@ class HostPipeline:
             try:
                 adamw.update_many(tasks)  # every param of the window in one pool dispatch
                 queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
+            except BaseException:
+                try:  # a failed job still finishes what it queued before it says "copied"
+                    queue.flush()
+                except Exception:
+                    pass
+                raise
             finally:
                 copied_in.set()
 
@@ -266,7 +274,8 @@ class HostPipeline:
         return stored, boxed
 
     def results_on_device(self, keys: Sequence[Hashable]) -> dict[Hashable, torch.Tensor]:
-        """The outboxes of ``keys`` on their devices: one non-blocking copy per arena."""
+        """The outboxes of ``keys`` on their devices: one copy per arena on the copy stream,
+        which the training stream waits for (the training thread does not)."""
         return self._outboxes.to_device(self.link, list(keys)) if keys else {}
 
     # ------------------------------------------------------------------ around checkpoints
