@@ -61,12 +61,6 @@ def select_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order).values
 
 
-def complement(idx: torch.Tensor, cols: int) -> torch.Tensor:
-    mask = torch.ones(cols, dtype=torch.bool, device=idx.device)
-    mask[idx] = False
-    return mask.nonzero().view(-1)
-
-
 def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[float, float]:
     """Factors that keep m/(1-b1**s) and v/(1-b2**s) unchanged from s_src to s_dst."""
     if s_src == s_dst or s_src == 0:  # equal counts, or state never updated (all zeros)
@@ -249,7 +243,7 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
         enter_pos = torch.from_numpy(plan["enter_pos"])
         for key in ("host_master", "host_m", "host_v"):
             host_parts.append(st[key].index_select(1, enter_pos).reshape(-1))
-    entered = link.to_device(pinned(torch.cat(host_parts)), dev, non_blocking=True)
+    entered = link.to_device_async(pinned(torch.cat(host_parts)), dev)
     off = 0
     for plan in plans:
         n = plan["rows"] * plan["enter"].size

@@ -49,6 +49,16 @@ def to_host_memory(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
     return out
 
 
+def wait_event(event, timeout: float, what: str) -> None:
+    """Block the calling thread until a CUDA ``event`` is reached, polling; TimeoutError after
+    ``timeout`` seconds naming ``what``. Every wait on a copy goes through here."""
+    deadline = time.monotonic() + timeout
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not finish within {timeout} s")
+        time.sleep(_POLL_S)
+
+
 class Link:
     """Counts bytes per direction, and the training thread's transfers by kind; thread-safe
     (the host worker copies too).
@@ -57,9 +67,8 @@ class Link:
     :meth:`to_device` calls: on a GPU the calling thread waits for each (and for the work
     queued before it), so a step's count is what a CPU run cannot time.
     ``async_transfers`` counts the copies that do not block the calling thread
-    (:meth:`to_host_async`, :meth:`to_device_async`, :meth:`indices_to_device`, non-blocking
-    :meth:`to_device`). Both count on a
-    CPU-only run too, where the copy may be skipped: they describe the GPU path.
+    (:meth:`to_host_async`, :meth:`to_device_async`, :meth:`indices_to_device`). Both count
+    on a CPU-only run too, where the copy may be skipped: they describe the GPU path.
     """
 
     def __init__(self) -> None:
@@ -71,48 +80,33 @@ class Link:
         self.blocking_transfers = 0
         self.async_transfers = 0
 
-    def _count(self, d2h: int = 0, h2d: int = 0) -> None:
+    def _count(self, d2h: int = 0, h2d: int = 0, blocking: int = 0, async_: int = 0) -> None:
         with self._lock:
             self.bytes_d2h += d2h
             self.bytes_h2d += h2d
+            self.blocking_transfers += blocking
+            self.async_transfers += async_
 
     def to_host(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Copy a device tensor into new host memory (cast after the transfer: the link
         carries ``src``'s dtype)."""
-        self._count(d2h=src.numel() * src.element_size())
-        with self._lock:
-            self.blocking_transfers += 1
+        self._count(d2h=src.numel() * src.element_size(), blocking=1)
         out = host_empty(src.shape, src.dtype)
         out.copy_(src, non_blocking=False)
         return out if dtype is None or dtype == src.dtype else out.to(dtype)
 
     def to_device(self, src: torch.Tensor, device: torch.device,
-                  dtype: torch.dtype | None = None, non_blocking: bool = False) -> torch.Tensor:
-        """``src`` on ``device``; cast on the host first when ``dtype`` is given (the link
-        carries the narrower type). The result may be ``src`` itself where host and device
-        are one memory: callers only read it or own it.
-
-        ``non_blocking=True``: the copy is queued on the current stream and the calling
-        thread goes on. ``src`` must then be pinned (where CUDA exists) and must not be
-        rewritten until the work queued so far is done: its writer waits for that (see
-        :meth:`CopyQueue.wait_launched`)."""
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``src`` on ``device``, a blocking copy (:meth:`to_device_async` for one that is
+        not); cast on the host first when ``dtype`` is given (the link carries the narrower
+        type). The result may be ``src`` itself where host and device are one memory:
+        callers only read it or own it."""
         if dtype is not None and dtype != src.dtype:
-            if non_blocking:
-                raise ValueError("to_device: a cast makes a pageable temporary; give a pinned "
-                                 "buffer of the target dtype for a non-blocking copy")
             src = src.to(dtype)
-        self._count(h2d=src.numel() * src.element_size())
-        with self._lock:
-            if non_blocking:
-                self.async_transfers += 1
-            else:
-                self.blocking_transfers += 1
+        self._count(h2d=src.numel() * src.element_size(), blocking=1)
         if src.device == torch.device(device):
             return src  # CPU-only run: the "device" already holds it; counted all the same
-        if (non_blocking and host_can_pin() and src.device.type == "cpu" and src.numel()
-                and not src.is_pinned()):  # an empty tensor has no storage to pin
-            raise ValueError("to_device: a non-blocking copy needs a pinned source")
-        return src.to(device, non_blocking=non_blocking)
+        return src.to(device, non_blocking=False)
 
     def to_host_async(self, src: torch.Tensor):
         """A host copy of ``src`` that does not block the calling thread: returns the host
@@ -124,9 +118,7 @@ class Link:
         after the kernels that wrote it) and never behind work queued later; ``src``'s
         memory is not reused before the copy is done (``record_stream``). On CPU the copy is
         made at once and ``wait`` returns at once."""
-        self._count(d2h=src.numel() * src.element_size())
-        with self._lock:
-            self.async_transfers += 1
+        self._count(d2h=src.numel() * src.element_size(), async_=1)
         out = host_empty(src.shape, src.dtype)
         if src.device.type != "cuda":
             out.copy_(src)
@@ -139,11 +131,7 @@ class Link:
         src.record_stream(stream)
 
         def wait(timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while not done.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"a device-to-host copy did not finish within {timeout} s")
-                time.sleep(_POLL_S)
+            wait_event(done, timeout, "a device-to-host copy")
         return out, wait
 
     def to_device_async(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -156,15 +144,13 @@ class Link:
         result is allocated from the copy stream's pool, so after it is freed that block
         serves the copy stream's next allocation (about one arena per dtype stays cached
         there)."""
-        self._count(h2d=src.numel() * src.element_size())
-        with self._lock:
-            self.async_transfers += 1
+        self._count(h2d=src.numel() * src.element_size(), async_=1)
         device = torch.device(device)
         if src.device == device:
             return src  # CPU-only run: the "device" already holds it
         if device.type != "cuda":
             return src.to(device, non_blocking=True)
-        if host_can_pin() and src.numel() and not src.is_pinned():
+        if host_can_pin() and src.numel() and not src.is_pinned():  # empty: nothing to pin
             raise ValueError("to_device_async: a non-blocking copy needs a pinned source")
         stream = self._stream(device, "h2d")
         with torch.cuda.stream(stream):
@@ -176,15 +162,9 @@ class Link:
         return out
 
     def indices_to_device(self, idx: "np.ndarray", device: torch.device) -> torch.Tensor:
-        """A host index array (numpy int64) on ``device``: a non-blocking copy from pinned
-        memory (a fresh block: nothing rewrites it), counted."""
-        t = torch.from_numpy(idx)
-        if torch.device(device).type == "cpu":
-            with self._lock:
-                self.async_transfers += 1
-            self._count(h2d=t.numel() * t.element_size())
-            return t
-        return self.to_device(pinned(t), device, non_blocking=True)
+        """A host index array (numpy int64) on ``device``, by :meth:`to_device_async` from a
+        fresh pinned block (nothing rewrites it), counted."""
+        return self.to_device_async(pinned(torch.from_numpy(idx)), device)
 
     def count_d2h(self, nbytes: int) -> None:
         self._count(d2h=nbytes)
@@ -255,12 +235,7 @@ class CopyQueue:
         job is about to rewrite (an outbox applied at an earlier boundary). Bounded; a no-op
         on CPU and once reached."""
         for event in self._launched:
-            deadline = time.monotonic() + self.timeout
-            while not event.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"work queued before the host job did not finish within "
-                                       f"{self.timeout} s")
-                time.sleep(_POLL_S)
+            wait_event(event, self.timeout, "work queued before the host job")
         self._launched = []
 
     def _on(self, dst: torch.Tensor, src: torch.Tensor | None = None):
@@ -321,12 +296,7 @@ class CopyQueue:
     def flush(self) -> None:
         """Wait until everything this job queued on the copy streams is done (bounded)."""
         for stream in (self._streams[key] for key in self._used):
-            event = stream.record_event()
-            deadline = time.monotonic() + self.timeout
-            while not event.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"device copies did not finish within {self.timeout} s")
-                time.sleep(_POLL_S)
+            wait_event(stream.record_event(), self.timeout, "device copies")
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
