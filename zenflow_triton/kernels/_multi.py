@@ -64,3 +64,16 @@ def cumulative(tiles: Sequence[int]) -> np.ndarray:
     out = np.zeros(len(tiles) + 1, dtype=np.int64)
     np.cumsum(np.asarray(tiles, dtype=np.int64), out=out[1:])
     return out
+
+
+def tables(rows: Sequence[Sequence[int]], tiles: Sequence[int], device: torch.device,
+           hyper: Sequence[float] | None = None) -> tuple[int, list[torch.Tensor]]:
+    """The device tables of one multi-tensor launch, in the kernels' argument order: the
+    rows (int64), the cumulative tile counts, and the per-tensor fp32 scalars when given;
+    and the launch's grid size (the total tile count)."""
+    cum = cumulative(tiles)
+    out = [to_device_table(np.asarray(rows, dtype=np.int64), device),
+           to_device_table(cum, device)]
+    if hyper is not None:
+        out.append(to_device_table(np.asarray(hyper, dtype=np.float32), device))
+    return int(cum[-1]), out

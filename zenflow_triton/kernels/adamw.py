@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from . import _launch, _multi
@@ -163,14 +162,11 @@ def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                          else 0, params[i].numel()])
             hyper.extend((s["neg_step_size"], s["bc2_sqrt"]))
             tiles.append(_launch.cdiv(params[i].numel(), block))
-        cum = _multi.cumulative(tiles)
+        total, tabs = _multi.tables(meta, tiles, device, hyper)
         first = members[0]
         _launch.launched(_adamw_multi_kernel)
-        _adamw_multi_kernel[(int(cum[-1]),)](
-            _multi.to_device_table(np.asarray(meta, dtype=np.int64), device),
-            _multi.to_device_table(cum, device),
-            _multi.to_device_table(np.asarray(hyper, dtype=np.float32), device),
-            len(members), params[first], grads[first],
+        _adamw_multi_kernel[(total,)](
+            *tabs, len(members), params[first], grads[first],
             s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
             W=6, SEARCH=_multi.search_steps(len(members)),
             HAS_MASTER=p_dtype != torch.float32, SOFT_BF16=_launch.interpreting(),

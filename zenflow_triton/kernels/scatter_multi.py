@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from . import _launch, _multi
@@ -77,12 +76,11 @@ def scatter_columns_multi(dst2ds: Sequence[torch.Tensor], idxs: Sequence[torch.T
             meta.append([dst.data_ptr(), idx.data_ptr(), src.data_ptr(), rows, k,
                          dst.stride(0), dst.stride(1), src.stride(0), src.stride(1)])
             tiles.append(_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k))
-        cum = _multi.cumulative(tiles)
+        total, tabs = _multi.tables(meta, tiles, device)
         first = members[0]
         _launch.launched(_scatter_columns_multi_kernel)
-        _scatter_columns_multi_kernel[(int(cum[-1]),)](
-            _multi.to_device_table(np.asarray(meta, dtype=np.int64), device),
-            _multi.to_device_table(cum, device), len(members), dst2ds[first], srcs[first],
+        _scatter_columns_multi_kernel[(total,)](
+            *tabs, len(members), dst2ds[first], srcs[first],
             W=_W, SEARCH=_multi.search_steps(len(members)), SOFT_BF16=_launch.interpreting(),
             BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
         )

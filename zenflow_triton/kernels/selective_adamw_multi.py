@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from . import _launch, _multi
@@ -168,14 +167,11 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
         order.append(i)
     if not order:
         return 0
-    cum = _multi.cumulative(tiles)
-    meta = _multi.to_device_table(np.asarray(rows_meta, dtype=np.int64), device)
-    cum_t = _multi.to_device_table(cum, device)
-    hyper_t = _multi.to_device_table(np.asarray(hyper, dtype=np.float32), device)
+    total, tabs = _multi.tables(rows_meta, tiles, device, hyper)
     first = order[0]
     _launch.launched(_selective_adamw_accumulate_kernel)
-    _selective_adamw_accumulate_kernel[(int(cum[-1]),)](
-        meta, cum_t, hyper_t, len(order), p2ds[first], g2ds[first],
+    _selective_adamw_accumulate_kernel[(total,)](
+        *tabs, len(order), p2ds[first], g2ds[first],
         s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
         W=_W, SEARCH=_multi.search_steps(len(order)), HAS_MASTER=has_master,
         SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
