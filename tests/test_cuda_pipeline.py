@@ -120,3 +120,76 @@ def test_state_moved_by_a_framework_is_put_back():
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("slowed", ["copy-in", "apply", "host-accumulation"])
+def test_slow_copies_do_not_block_the_training_thread(slowed, monkeypatch):
+    """Queue about 0.2 s of GPU sleep on a copy stream before each copy the pipeline puts
+    there: the window's copy-in (device-to-host), the apply's outbox copy (host-to-device),
+    or, with accumulate_on="host", each step's host-owned columns (device-to-host). The
+    training loop spends 0.3 s of host time per step (its forward and backward), so no
+    step() needs to wait for a copy on the host: each returns within 0.1 s once the first
+    window is past (pinned buffers allocated), and the run is bit for bit the unslowed one."""
+    cycles = SLEEP_CYCLES // 5
+    cfg = dict(topk_ratio=0.2, update_interval=2, select_interval=8, overlap=True,
+               accumulate_on="host" if slowed == "host-accumulation" else "device")
+
+    def sleep_on(link, device, direction):
+        with torch.cuda.stream(link._stream(device, direction)):
+            torch.cuda._sleep(cycles)
+
+    calls = []
+    if slowed == "copy-in":
+        real_copy_in = Link.copy_in
+
+        def copy_in(self, pairs):
+            for dev in {src.device for _, src, _ in pairs if src.is_cuda}:
+                calls.append(dev)
+                sleep_on(self, dev, "d2h")
+            return real_copy_in(self, pairs)
+        patch = ("copy_in", copy_in)
+    elif slowed == "apply":
+        real_up = Link.to_device_async
+
+        def to_device_async(self, src, device):
+            calls.append(device)
+            sleep_on(self, torch.device(device), "h2d")
+            return real_up(self, src, device)
+        patch = ("to_device_async", to_device_async)
+    else:
+        real_down = Link.to_host_async
+
+        def to_host_async(self, src):
+            calls.append(src.device)
+            sleep_on(self, src.device, "d2h")
+            return real_down(self, src)
+        patch = ("to_host_async", to_host_async)
+
+    def run(slow: bool):
+        if slow:
+            monkeypatch.setattr(Link, *patch)
+        model = make_model(dtype=torch.bfloat16).to("cuda")
+        feed = [[g.to(device="cuda", dtype=torch.bfloat16) for g in grads]  # uploaded now:
+                for grads in GradFeed(10, seed=3, pull=0.0, grid=torch.bfloat16).noise]
+        times = []  # a blocking upload in the loop would wait for the slowed streams
+        with ZenFlowOptimizer(param_groups(model), min_offload_numel=64, backend="torch",
+                              **cfg) as opt:
+            for grads in feed:
+                for p, g in zip(model.parameters(), grads):
+                    p.grad = g.clone()
+                if slow:
+                    time.sleep(0.3)  # the step's forward and backward on the host
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            opt.synchronize()
+        monkeypatch.undo()
+        return [p.detach().cpu() for p in model.parameters()], times
+
+    want, _ = run(False)
+    got, times = run(True)
+    assert calls, "the slowed copy was never made"
+    late = times[2 * cfg["update_interval"]:]
+    assert max(late) < 0.1, f"step() host times {[round(t, 3) for t in times]}"
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

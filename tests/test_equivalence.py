@@ -285,17 +285,17 @@ def test_slow_copy_in_cannot_race_the_training_loop(cfg, monkeypatch):
     job would copy the wrong numbers and the trajectory would leave the reference's."""
     import time as _time
 
-    from zenflow_triton.transfer import CopyQueue
+    from zenflow_triton.transfer import CopyIn
 
-    real = CopyQueue.copy
+    real = CopyIn.wait_on_host
     calls = []
 
-    def slow(self, dst, src):
+    def slow(self, timeout):  # on CPU the job's thread makes the copies here
         calls.append(1)
-        _time.sleep(0.02)
-        return real(self, dst, src)
+        _time.sleep(0.05)
+        return real(self, timeout)
 
-    monkeypatch.setattr(CopyQueue, "copy", slow)
+    monkeypatch.setattr(CopyIn, "wait_on_host", slow)
     steps = 12
     feed = GradFeed(steps)
     model = FeedModel()

@@ -144,15 +144,16 @@ def test_host_exception_surfaces_with_traceback(monkeypatch):
     dict(topk_ratio=0.2, update_interval=2, overlap=True),   # staged: fails in the copy-in
 ], ids=["streamed", "staged"])
 def test_failing_copy_surfaces_and_never_hangs(monkeypatch, cfg):
-    from zenflow_triton.transfer import CopyQueue
+    from zenflow_triton.transfer import CopyIn, CopyQueue
 
     model = make_model()
     opt = ZenFlowOptimizer(model.parameters(), min_offload_numel=64, **cfg)
 
-    def broken(self, dst, src):
+    def broken(self, *args):
         raise OSError("injected link failure")
 
-    monkeypatch.setattr(CopyQueue, "copy", broken)
+    monkeypatch.setattr(CopyQueue, "copy", broken)  # the streamed job's pieces
+    monkeypatch.setattr(CopyIn, "wait_on_host", broken)  # the staged job's copy-in
     t0 = time.monotonic()
     with pytest.raises(HostWorkerError, match="injected link failure"):
         _steps(model, opt, 2)

@@ -380,10 +380,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _host_idx_on_device(self, p: torch.Tensor, st: dict) -> torch.Tensor:
         """``st["host_idx"]`` (kept in host memory) on ``p``'s device, copied once per
-        selection instead of every step."""
+        selection (with its migration) instead of every step; here only after a load, by a
+        non-blocking copy."""
         cached = self._host_idx_dev.get(p)
         if cached is None or cached[0] is not st["host_idx"]:
-            cached = self._host_idx_dev[p] = (st["host_idx"], st["host_idx"].to(p.device))
+            on_device = self.link.indices_to_device(st["host_idx"].numpy(), p.device)
+            cached = self._host_idx_dev[p] = (st["host_idx"], on_device)
         return cached[1]
 
     def _host_columns(self, g2d: torch.Tensor, host_idx: torch.Tensor) -> torch.Tensor:

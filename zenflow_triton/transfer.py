@@ -172,6 +172,10 @@ class Link:
     def count_h2d(self, nbytes: int) -> None:
         self._count(h2d=nbytes)
 
+    def copy_in(self, pairs) -> "CopyIn":
+        """Issue a host job's copy-in now, on the launching thread: see :class:`CopyIn`."""
+        return CopyIn(self, pairs)
+
     def copy_queue(self, devices, timeout: float) -> "CopyQueue":
         """A :class:`CopyQueue` for one host job touching ``devices``; call it on the thread
         that queued the work the job's copies depend on (the training loop), at launch."""
@@ -195,6 +199,75 @@ class Link:
             if key not in self._streams:
                 self._streams[key] = torch.cuda.Stream(device=device)
             return self._streams[key]
+
+
+class CopyIn:
+    """A host job's copy-in: device sources into host buffers of their dtype, each source
+    zeroed after its copy when asked (a window accumulator), issued at launch.
+
+    Ordering invariant (CUDA): made on the training thread at launch, each copy (and zero)
+    of a CUDA source runs on the link's device-to-host stream of its device, after the work
+    queued before the launch, non-blocking into pinned host memory; one event per device
+    marks the copies done. The job's thread waits for those events (bounded) before it
+    reads a buffer (:meth:`wait_on_host`); the training stream waits for them before it
+    next writes a source (:meth:`release`, a device-side wait: the training thread does
+    not block); a source's memory is not reused before its copy is done
+    (``record_stream``). CPU sources: the job's thread makes the copies in
+    :meth:`wait_on_host` (the training thread goes on), and whoever next writes a source
+    waits for that on the host (:attr:`host_side`).
+    """
+
+    def __init__(self, link: Link, pairs) -> None:
+        """``pairs``: ``(host dst, device src, zero src)``, dst contiguous, same dtype and
+        number of elements as src."""
+        self._host: list = []  # CPU sources, copied by the job's thread
+        self._done: dict[torch.device, object] = {}  # CUDA: device -> event, set once
+        self._released = False
+        by_device: dict[torch.device, list] = {}
+        for dst, src, zero in pairs:
+            if dst.dtype != src.dtype or dst.numel() != src.numel():
+                raise ValueError(f"copy-in: {src.dtype} {tuple(src.shape)} into "
+                                 f"{dst.dtype} {tuple(dst.shape)}")
+            link._count(d2h=src.numel() * src.element_size(), async_=1)
+            if src.device.type == "cuda":
+                by_device.setdefault(src.device, []).append((dst, src, zero))
+            else:
+                self._host.append((dst, src, zero))
+        for dev, members in by_device.items():
+            stream = link._stream(dev, "d2h")
+            stream.wait_event(torch.cuda.current_stream(dev).record_event())
+            with torch.cuda.stream(stream):
+                for dst, src, zero in members:
+                    dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
+                    if zero:
+                        src.zero_()
+                    src.record_stream(stream)
+                self._done[dev] = stream.record_event()
+
+    @property
+    def host_side(self) -> bool:
+        """Some copies are the job thread's (CPU sources): a writer of a source must wait for
+        the job to say they are done."""
+        return bool(self._host)
+
+    def wait_on_host(self, timeout: float) -> None:
+        """On the job's thread, before it reads a buffer: make the CPU copies, wait (bounded)
+        for the CUDA ones."""
+        for dst, src, zero in self._host:
+            dst.view(-1).copy_(src.reshape(-1))
+            if zero:
+                src.zero_()
+        for event in self._done.values():
+            wait_event(event, timeout, "the copy-in of a host job")
+
+    def release(self) -> None:
+        """On the training thread, before it next writes a CUDA source: its current stream
+        waits for the copies (no host wait). Once is enough."""
+        if self._released:
+            return
+        self._released = True
+        for dev, event in self._done.items():  # read-only here and in wait_on_host
+            torch.cuda.current_stream(dev).wait_event(event)
 
 
 class CopyQueue:

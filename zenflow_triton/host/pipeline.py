@@ -16,18 +16,20 @@ Ordering invariants:
 * A job owns, until :meth:`wait` returns, the host master and moments of its windows, its
   staging buffers and outboxes, and the params it stores into (a window whose result
   applies at once and whose columns are all host-owned). It borrows the window gradients'
-  sources (device accumulators, or a ``.grad``) until its copy-in is done: the next
-  accumulation waits for that (:meth:`wait_copy_in`), and :meth:`launch` waits for it
-  before returning when a source is a ``.grad`` the caller may overwrite.
+  sources (device accumulators, or a ``.grad``) until its copy-in (``transfer.CopyIn``) is
+  done: the next accumulation waits for that (:meth:`wait_copy_in`: on CUDA the training
+  stream waits for the copy-in's event, this thread does not; on CPU, where the job's
+  thread makes the copies, this thread waits), and :meth:`launch` does the same before
+  returning when a source is a ``.grad`` the caller may overwrite.
 * The worker runs jobs in submission order: every host accumulation of a window is done
   before that window's job reads its accumulator.
 * The apply reads the outboxes with a copy on the link's host-to-device stream that the
   training stream waits for (``Link.to_device_async``); the next job rewrites an outbox
   only after the work queued on the training stream before its own launch is done
   (``CopyQueue.wait_launched``), which includes that wait.
-* The job's device copies go through a ``transfer.CopyQueue``: on CUDA the link's copy
-  streams (one per direction), ordered after what the training thread queued before the
-  launch.
+* The staged copy-in is queued at launch on the device-to-host copy stream, after what the
+  training thread queued before; the job's other device copies (streamed loads, stores)
+  go through a ``transfer.CopyQueue``, on the link's copy streams, ordered the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Hashable, Literal, Sequence
 
 import torch
 
-from ..transfer import Link, host_empty
+from ..transfer import CopyIn, Link, host_empty
 from .adamw import HostAdamW, HostHyper, PieceIO
 from .outbox import Outboxes
 from .worker import HostJob, HostWorker
@@ -77,7 +79,7 @@ class HostPipeline:
         self._worker = worker
         self._timeout = timeout
         self._inflight: HostJob | None = None
-        self._copy_in: threading.Event | None = None  # set when the job's copy-in is done
+        self._copy_in: tuple[CopyIn, threading.Event] | None = None  # the job's copy-in
         self._adds: list[HostJob] = []  # host accumulation jobs not yet waited for
         # Per-param host buffers for the window gradient (fp32), reused across windows;
         # with host accumulation, the spare accumulators.
@@ -128,11 +130,14 @@ class HostPipeline:
         sources (they are on loan to it until then)."""
         if self._copy_in is None:
             return
-        t0 = time.perf_counter()
-        try:
-            self._worker.wait_event(self._copy_in, "the copy-in of the host job in flight")
-        finally:
-            self.wait_seconds += time.perf_counter() - t0
+        copy_in, copied_in = self._copy_in
+        copy_in.release()  # CUDA sources: the training stream waits, this thread does not
+        if copy_in.host_side:  # CPU sources: the job's thread copies them
+            t0 = time.perf_counter()
+            try:
+                self._worker.wait_event(copied_in, "the copy-in of the host job in flight")
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
         self._copy_in = None
 
     # ------------------------------------------------------------------ a window
@@ -165,6 +170,11 @@ class HostPipeline:
                     queue.zero_(flat[s:e])
             return load
 
+        def staged_load(staged: torch.Tensor):  # the host casts, piece by piece, in cache
+            def load(s: int, e: int, out: torch.Tensor) -> None:
+                out.copy_(staged[s:e])
+            return load
+
         def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor):
             def store(s: int, e: int) -> None:
                 queue.copy(param_flat[s:e], master_flat[s:e])
@@ -180,18 +190,22 @@ class HostPipeline:
             load = store = None
             if w.source == "host_acc":  # the job takes it, the spare becomes the accumulator
                 grad = w.grad
-                spare = self._reusable(w.key, w.grad.shape)
+                spare = self._reusable(w.key, w.grad.shape, w.grad.dtype)
                 new_accs[w.key] = spare.zero_()
                 self._staging[w.key] = w.grad
             else:
                 src, zero_src = w.grad, w.source == "device_acc"
                 devices.add(src.device)
-                self.link.count_d2h(src.numel() * src.element_size())  # at launch: stats()
-                if apply_now:                                           # never races the job
+                if apply_now:  # streamed: never races the job
+                    self.link.count_d2h(src.numel() * src.element_size())
                     grad, load = None, piece_load(src.reshape(-1), zero_src)
-                else:
-                    grad = self._reusable(w.key, src.shape)
-                    stage.append((grad, src, zero_src))
+                else:  # staged in the link's dtype (the gradient's), cast by the host
+                    staged = self._reusable(w.key, src.shape, src.dtype)
+                    stage.append((staged, src, zero_src))
+                    if staged.dtype == torch.float32:
+                        grad = staged
+                    else:
+                        grad, load = None, staged_load(staged.view(-1))
             if w.store_into is not None:
                 devices.add(w.store_into.device)
                 self.link.count_h2d(w.store_into.numel() * w.store_into.element_size())
@@ -210,32 +224,27 @@ class HostPipeline:
         outboxes.update(self._outboxes.plan(box_items))
         adamw = self._adamw
         queue = self.link.copy_queue(devices, self._timeout)
-        copied_in = threading.Event()
+        copy_in = self.link.copy_in(stage)  # CUDA: queued now on the copy stream
+        copied_in = threading.Event()  # the job's thread is past its copy-in
+        timeout = self._timeout
 
         def run() -> None:
-            try:  # copy-in first (staged jobs): device -> host staging, then the sources are
-                for dst, src, zero_src in stage:  # free again
-                    queue.copy(dst, src)
-                    if zero_src:
-                        queue.zero_(src)
-                queue.flush()
+            try:
+                copy_in.wait_on_host(timeout)  # CPU: the copies themselves; CUDA: their event
             finally:
-                if stage:
-                    copied_in.set()
+                copied_in.set()
             try:
                 adamw.update_many(tasks)  # every param of the window in one pool dispatch
                 queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
             except BaseException:
-                try:  # a failed job still finishes what it queued before it says "copied"
+                try:  # a failed job still finishes what it queued
                     queue.flush()
                 except Exception:
                     pass
                 raise
-            finally:
-                copied_in.set()
 
         self._inflight = self._worker.submit(run, label)
-        self._copy_in = copied_in
+        self._copy_in = (copy_in, copied_in)
         self._stored = stored
         self._job_outbox = outboxes
         if any(not zero_src for _, _, zero_src in stage):
@@ -243,12 +252,12 @@ class HostPipeline:
             self.wait_copy_in()
         return new_accs
 
-    def _reusable(self, key: Hashable, shape) -> torch.Tensor:
-        """The staging buffer of ``key`` (host, fp32, pinned where CUDA exists), reused
-        across windows; reallocated only when a reselection changed its column count."""
+    def _reusable(self, key: Hashable, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The staging buffer of ``key`` (host, pinned where CUDA exists), reused across
+        windows; reallocated only when a reselection changed its column count."""
         buf = self._staging.get(key)
-        if buf is None or buf.shape != torch.Size(shape):
-            buf = self._staging[key] = host_empty(shape, torch.float32)
+        if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
+            buf = self._staging[key] = host_empty(shape, dtype)
         return buf
 
     def wait(self) -> None:

@@ -17,6 +17,7 @@ next power of two above the data, so a 1x1 tensor does not run a 2048-element ti
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 
@@ -40,6 +41,18 @@ def launched(kernel) -> None:
     """Count one launch of ``kernel`` (call right before launching it)."""
     LAUNCHES[getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None),
                                                           "__name__", str(kernel))] += 1
+
+
+def launching(kernel, tensor: torch.Tensor):
+    """``with launching(kernel, t):`` around a launch on ``t``'s device: counts it, and makes
+    ``t``'s GPU the current one when it is not (Triton launches on the current device and
+    its current stream, so a param on ``cuda:1`` needs ``cuda:1`` current). A no-op context
+    on one GPU and on CPU."""
+    launched(kernel)
+    dev = tensor.device
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        return torch.cuda.device(dev)
+    return contextlib.nullcontext()
 
 
 def interpreting() -> bool:

@@ -56,11 +56,11 @@ def accumulate_columns(acc: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
         return
     block_r, block_k, num_warps = _launch.tile_2d(rows, n)
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(n, block_k),)
-    _launch.launched(_accumulate_columns_kernel)
-    wrap_triton(_accumulate_columns_kernel)[grid](
-        acc, g2d, idx, rows, n, acc.stride(0), acc.stride(1), g2d.stride(0), g2d.stride(1),
-        float(scale), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
-    )
+    with _launch.launching(_accumulate_columns_kernel, acc):
+        wrap_triton(_accumulate_columns_kernel)[grid](
+            acc, g2d, idx, rows, n, acc.stride(0), acc.stride(1), g2d.stride(0), g2d.stride(1),
+            float(scale), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+        )
 
 
 def accumulate_columns_ref(acc: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,

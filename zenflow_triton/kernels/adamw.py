@@ -110,13 +110,13 @@ def adamw_scalars_launch(params: Sequence[torch.Tensor], grads: Sequence[torch.T
             continue
         g = g.contiguous()
         block, num_warps = _launch.block_1d(n)
-        _launch.launched(_adamw_kernel)
-        wrap_triton(_adamw_kernel)[(_launch.cdiv(n, block),)](
-            p, g, m, v, master if master is not None else m,  # dummy, never touched
-            n, decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_sizes[i], bc2_sqrts[i],
-            HAS_MASTER=master is not None, SOFT_BF16=soft_bf16, BLOCK=block,
-            num_warps=num_warps,
-        )
+        with _launch.launching(_adamw_kernel, p):
+            wrap_triton(_adamw_kernel)[(_launch.cdiv(n, block),)](
+                p, g, m, v, master if master is not None else m,  # dummy, never touched
+                n, decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_sizes[i], bc2_sqrts[i],
+                HAS_MASTER=master is not None, SOFT_BF16=soft_bf16, BLOCK=block,
+                num_warps=num_warps,
+            )
 
 
 def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -164,14 +164,14 @@ def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             tiles.append(_launch.cdiv(params[i].numel(), block))
         total, tabs = _multi.tables(meta, tiles, device, hyper)
         first = members[0]
-        _launch.launched(_adamw_multi_kernel)
-        _adamw_multi_kernel[(total,)](
-            *tabs, len(members), params[first], grads[first],
-            s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
-            W=6, SEARCH=_multi.search_steps(len(members)),
-            HAS_MASTER=p_dtype != torch.float32, SOFT_BF16=_launch.interpreting(),
-            BLOCK=block, num_warps=num_warps,
-        )
+        with _launch.launching(_adamw_multi_kernel, params[first]):
+            _adamw_multi_kernel[(total,)](
+                *tabs, len(members), params[first], grads[first],
+                s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
+                W=6, SEARCH=_multi.search_steps(len(members)),
+                HAS_MASTER=p_dtype != torch.float32, SOFT_BF16=_launch.interpreting(),
+                BLOCK=block, num_warps=num_warps,
+            )
         launches += 1
     return launches
 

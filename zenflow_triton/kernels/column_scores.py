@@ -85,12 +85,12 @@ def column_scores(g2d: torch.Tensor, norm: str = "l2",
     else:
         target, accumulate = torch.empty(splits, cols, dtype=torch.float32,
                                          device=g2d.device), False
-    _launch.launched(_column_scores_kernel)
-    wrap_triton(_column_scores_kernel)[(col_blocks, splits)](
-        g2d, target, rows, cols, rows_per_split, g2d.stride(0), g2d.stride(1),
-        L1=norm == "l1", ACCUMULATE=accumulate, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=num_warps,
-    )
+    with _launch.launching(_column_scores_kernel, g2d):
+        wrap_triton(_column_scores_kernel)[(col_blocks, splits)](
+            g2d, target, rows, cols, rows_per_split, g2d.stride(0), g2d.stride(1),
+            L1=norm == "l1", ACCUMULATE=accumulate, BLOCK_R=block_r, BLOCK_C=block_c,
+            num_warps=num_warps,
+        )
     if splits > 1:  # deterministic second pass over [splits, cols] partial sums
         if out is None:
             torch.sum(target, dim=0, out=result)

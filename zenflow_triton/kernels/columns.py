@@ -107,12 +107,12 @@ def gather_columns(src2d: torch.Tensor, idx: torch.Tensor,
         return out
     block_r, block_k, num_warps = _launch.tile_2d(rows, k)
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k),)
-    _launch.launched(_gather_columns_kernel)
-    wrap_triton(_gather_columns_kernel)[grid](
-        src2d, idx, out, rows, k, src2d.stride(0), src2d.stride(1),
-        SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
-        num_warps=num_warps,
-    )
+    with _launch.launching(_gather_columns_kernel, src2d):
+        wrap_triton(_gather_columns_kernel)[grid](
+            src2d, idx, out, rows, k, src2d.stride(0), src2d.stride(1),
+            SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=num_warps,
+        )
     return out
 
 
@@ -131,13 +131,13 @@ def scatter_columns(dst2d: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -
         return
     block_r, block_k, num_warps = _launch.tile_2d(rows, k)
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k),)
-    _launch.launched(_scatter_columns_kernel)
-    wrap_triton(_scatter_columns_kernel)[grid](
-        dst2d, idx, src, rows, k, dst2d.stride(0), dst2d.stride(1),
-        src.stride(0), src.stride(1),
-        SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
-        num_warps=num_warps,
-    )
+    with _launch.launching(_scatter_columns_kernel, dst2d):
+        wrap_triton(_scatter_columns_kernel)[grid](
+            dst2d, idx, src, rows, k, dst2d.stride(0), dst2d.stride(1),
+            src.stride(0), src.stride(1),
+            SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=num_warps,
+        )
 
 
 def gather_columns_ref(src2d: torch.Tensor, idx: torch.Tensor,

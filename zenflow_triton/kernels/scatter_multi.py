@@ -78,12 +78,12 @@ def scatter_columns_multi(dst2ds: Sequence[torch.Tensor], idxs: Sequence[torch.T
             tiles.append(_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k))
         total, tabs = _multi.tables(meta, tiles, device)
         first = members[0]
-        _launch.launched(_scatter_columns_multi_kernel)
-        _scatter_columns_multi_kernel[(total,)](
-            *tabs, len(members), dst2ds[first], srcs[first],
-            W=_W, SEARCH=_multi.search_steps(len(members)), SOFT_BF16=_launch.interpreting(),
-            BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
-        )
+        with _launch.launching(_scatter_columns_multi_kernel, dst2ds[first]):
+            _scatter_columns_multi_kernel[(total,)](
+                *tabs, len(members), dst2ds[first], srcs[first],
+                W=_W, SEARCH=_multi.search_steps(len(members)), SOFT_BF16=_launch.interpreting(),
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+            )
     return len(groups)
 
 

@@ -136,14 +136,14 @@ def selective_adamw_scalars(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Ten
         return
     block_r, block_k, num_warps = _launch.tile_2d(rows, k)
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k),)
-    _launch.launched(_selective_adamw_kernel)
-    wrap_triton(_selective_adamw_kernel)[grid](
-        p2d, g2d, idx, m, v, master if master is not None else m,  # dummy, never touched
-        rows, k, p2d.stride(0), p2d.stride(1), g2d.stride(0), g2d.stride(1),
-        decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
-        HAS_MASTER=master is not None, SOFT_BF16=_launch.interpreting(),
-        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
-    )
+    with _launch.launching(_selective_adamw_kernel, p2d):
+        wrap_triton(_selective_adamw_kernel)[grid](
+            p2d, g2d, idx, m, v, master if master is not None else m,  # dummy, never touched
+            rows, k, p2d.stride(0), p2d.stride(1), g2d.stride(0), g2d.stride(1),
+            decay, lerp_w, beta2, one_minus_beta2, eps, neg_step_size, bc2_sqrt,
+            HAS_MASTER=master is not None, SOFT_BF16=_launch.interpreting(),
+            BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps,
+        )
 
 
 def selective_adamw_ref(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,

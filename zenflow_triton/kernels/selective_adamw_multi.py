@@ -169,14 +169,14 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
         return 0
     total, tabs = _multi.tables(rows_meta, tiles, device, hyper)
     first = order[0]
-    _launch.launched(_selective_adamw_accumulate_kernel)
-    _selective_adamw_accumulate_kernel[(total,)](
-        *tabs, len(order), p2ds[first], g2ds[first],
-        s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
-        W=_W, SEARCH=_multi.search_steps(len(order)), HAS_MASTER=has_master,
-        SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
-        num_warps=num_warps,
-    )
+    with _launch.launching(_selective_adamw_accumulate_kernel, p2ds[first]):
+        _selective_adamw_accumulate_kernel[(total,)](
+            *tabs, len(order), p2ds[first], g2ds[first],
+            s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
+            W=_W, SEARCH=_multi.search_steps(len(order)), HAS_MASTER=has_master,
+            SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
+            num_warps=num_warps,
+        )
     return 1
 
 
