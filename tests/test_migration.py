@@ -88,7 +88,7 @@ def test_columns_moving_each_way_keep_their_adam_state():
         # and the new host columns (6).
         assert link.bytes_d2h - before[0] == 3 * 5 * 4
         assert link.bytes_h2d - before[1] == 3 * 5 * 4 + 8 * (2 + 1 + 2 + 1 + 6)
-        assert st["acc"].shape == (5, 6)
+        assert st["acc"] is None  # the next window that accumulates makes one of 6 columns
 
 
 def test_unchanged_selection_moves_nothing():

@@ -347,10 +347,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 host_idx = self._host_idx_on_device(p, st)
                 if single_step_window and st["acc_count"] == 0:
                     direct[p] = self._host_columns(g2d, host_idx)
-                elif acc_on_device:
-                    acc = st["acc"]
-                else:  # the columns cross the link every step, in the grad's dtype
-                    to_host.append((st["acc"], self._host_columns(g2d, host_idx)))
+                else:
+                    if st["acc"] is None:  # the first window that accumulates makes it
+                        st["acc"] = new_accumulator(g2d.shape[0], host_idx.numel(),
+                                                    p.device, self.config.accumulate_on)
+                    if acc_on_device:
+                        acc = st["acc"]
+                    else:  # the columns cross the link every step, in the grad's dtype
+                        to_host.append((st["acc"], self._host_columns(g2d, host_idx)))
                 st["acc_count"] += 1
             if has_dev or acc is not None:
                 matrices.append((p, g, st, acc, host_idx))
@@ -618,20 +622,24 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         st: dict[str, Any] = {}
         acc_on_host = self.config.accumulate_on == "host"
         for key, value in saved.items():
+            if key == "acc" and saved.get("acc_count", 0) == 0:
+                continue  # no open window: no accumulator to hold (made when one opens)
             if not isinstance(value, torch.Tensor):
                 st[key] = value
                 continue
             is_idx = key.endswith("_idx")
             dtype = torch.long if is_idx else torch.float32
             if key.startswith("host_") or (key == "acc" and acc_on_host):
-                st[key] = to_host_memory(value.to("cpu"), dtype)
+                st[key] = to_host_memory(value, dtype)  # straight to host memory
             else:
                 st[key] = value.to(device=p.device, dtype=dtype, copy=True)
         if kind == MATRIX:
             st["host_idx"] = st["host_idx"].cpu()
-            if "acc" not in st:
-                st["acc"] = new_accumulator(p.shape[0], st["host_idx"].numel(), p.device,
-                                            self.config.accumulate_on)
+            if st.get("acc_count", 0) == 0:
+                st["acc"] = None
+            elif st.get("acc") is None:
+                raise ValueError(f"state for {self._param_name(p)} has an open window "
+                                 f"(acc_count={st['acc_count']}) but no accumulator")
         return st
 
 

@@ -23,7 +23,7 @@ import torch
 
 from .config import ZenFlowConfig
 from .kernels import KernelOps
-from .transfer import Link, host_zeros, pinned
+from .transfer import Link, pinned, state_zeros
 
 MATRIX = "matrix"
 SMALL = "small"
@@ -83,20 +83,38 @@ def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str) -> dict:
            if p.dtype != torch.float32 else {}),
         "device_step": 0,
         "host_idx": torch.arange(cols, dtype=torch.long),
-        "host_master": link.to_host(view2d(p.detach()), dtype=torch.float32).contiguous(),
-        "host_m": host_zeros((rows, cols)),
-        "host_v": host_zeros((rows, cols)),
+        "host_master": link.to_host(view2d(p.detach()), dtype=torch.float32,
+                                    pin=False).contiguous(),
+        "host_m": state_zeros((rows, cols)),
+        "host_v": state_zeros((rows, cols)),
         "host_step": 0,
-        "acc": new_accumulator(rows, cols, dev, accumulate_on),
+        "acc": None,  # made by the first step that accumulates (new_accumulator)
         "acc_count": 0,
         "host_pending": False,
     }
 
 
 def new_accumulator(rows: int, n: int, device: torch.device, accumulate_on: str):
+    """The window accumulator of ``n`` host-owned columns (fp32, zero): on the param's device,
+    or in pageable host memory (``accumulate_on="host"``: no copy reads it across the link).
+    Made only when a window accumulates (not in warm-up or one-step windows, which hand
+    their gradient over as it is), and dropped when a selection changes the split."""
     if accumulate_on == "device":
         return torch.zeros(rows, n, device=device)
-    return host_zeros((rows, n))
+    return state_zeros((rows, n))
+
+
+STATE_SIDES = {"device_idx": "device", "device_m": "device", "device_v": "device",
+               "device_master": "device", "exp_avg": "device", "exp_avg_sq": "device",
+               "master": "device", "host_idx": "host", "host_master": "host",
+               "host_m": "host", "host_v": "host"}
+"""Which side holds each state tensor (by key); ``acc`` is where ``accumulate_on`` says."""
+
+
+def state_side(key: str, accumulate_on: str) -> str:
+    if key == "acc":
+        return accumulate_on
+    return STATE_SIDES[key]
 
 
 def migrate(p: torch.Tensor, st: dict, new_idx: torch.Tensor, *, beta1: float, beta2: float,
@@ -262,8 +280,8 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
         host_pos = torch.from_numpy(plan["host_pos"])
         mh, md = plan["moved_host"], plan["moved_dev"]
 
-        def assemble_host(old, moved_cols):
-            return pinned(torch.cat([old, moved_cols], dim=1).index_select(1, host_pos))
+        def assemble_host(old, moved_cols):  # pageable host state
+            return torch.cat([old, moved_cols], dim=1).index_select(1, host_pos)
 
         def assemble_dev(old, moved_cols):
             return torch.cat([old, moved_cols], dim=1).index_select(1, plan["dev_pos_d"])
@@ -279,8 +297,7 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
             "host_m": assemble_host(st["host_m"], mh[1]),
             "host_v": assemble_host(st["host_v"], mh[2]),
             "host_step": plan["s_host"],
-            "acc": new_accumulator(plan["rows"], plan["new_host"].size, p.device,
-                                   accumulate_on),
+            "acc": None,  # the next window that accumulates makes one of the new width
         }
         if p.dtype != torch.float32:
             new_state["device_master"] = assemble_dev(st["device_master"], md[0])

@@ -32,19 +32,25 @@ def host_can_pin() -> bool:
 
 
 def host_empty(shape, dtype=torch.float32) -> torch.Tensor:
-    """Uninitialised host tensor, pinned where CUDA exists."""
+    """Uninitialised host buffer for the link (a copy reads or writes it across the link),
+    pinned where CUDA exists. Host *state* (master, moments, a host accumulator) is plain
+    pageable memory: :func:`state_empty`."""
     return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=host_can_pin())
 
 
-def host_zeros(shape, dtype=torch.float32) -> torch.Tensor:
-    t = host_empty(shape, dtype)
-    t.zero_()
-    return t
+def state_empty(shape, dtype=torch.float32) -> torch.Tensor:
+    """Uninitialised pageable host memory, for state no copy reads across the link."""
+    return torch.empty(shape, dtype=dtype, device="cpu")
+
+
+def state_zeros(shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device="cpu")
 
 
 def to_host_memory(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host copy of ``t`` (pinned where possible), not counted: for loading state."""
-    out = host_empty(t.shape, dtype or t.dtype)
+    """A pageable host copy of ``t`` (host state), not counted: for loading state. A host
+    ``t`` of that dtype is copied too (the caller's tensor is never adopted)."""
+    out = state_empty(t.shape, dtype or t.dtype)
     out.copy_(t)
     return out
 
@@ -79,6 +85,7 @@ class Link:
         self.bytes_h2d = 0
         self.blocking_transfers = 0
         self.async_transfers = 0
+        self._bounce_bytes = 0
 
     def _count(self, d2h: int = 0, h2d: int = 0, blocking: int = 0, async_: int = 0) -> None:
         with self._lock:
@@ -87,11 +94,13 @@ class Link:
             self.blocking_transfers += blocking
             self.async_transfers += async_
 
-    def to_host(self, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def to_host(self, src: torch.Tensor, dtype: torch.dtype | None = None,
+                pin: bool = True) -> torch.Tensor:
         """Copy a device tensor into new host memory (cast after the transfer: the link
-        carries ``src``'s dtype)."""
+        carries ``src``'s dtype). ``pin=False``: into pageable memory (host state; a slower
+        copy, for one-off transfers: no pinned block is left cached)."""
         self._count(d2h=src.numel() * src.element_size(), blocking=1)
-        out = host_empty(src.shape, src.dtype)
+        out = (host_empty if pin else state_empty)(src.shape, src.dtype)
         out.copy_(src, non_blocking=False)
         return out if dtype is None or dtype == src.dtype else out.to(dtype)
 
@@ -187,8 +196,15 @@ class Link:
         bufs = self._local.__dict__.setdefault("bufs", {})
         buf = bufs.get(dtype)
         if buf is None or buf.numel() < n:
+            old = 0 if buf is None else buf.numel() * buf.element_size()
             buf = bufs[dtype] = host_empty((max(n, 1),), dtype)
+            with self._lock:
+                self._bounce_bytes += buf.numel() * buf.element_size() - old
         return buf[:n]
+
+    def bounce_bytes(self) -> int:
+        """Bytes of every thread's bounce buffers (link buffers: pinned where CUDA exists)."""
+        return self._bounce_bytes
 
     def _stream(self, device: torch.device, direction: str):
         """This link's copy stream of ``direction`` ("d2h" or "h2d") on a CUDA ``device``
@@ -332,8 +348,10 @@ class CopyQueue:
         crosses as bf16, a bf16 param's update is cast from the fp32 master before it
         crosses): see :meth:`copy_cast_on_host`."""
         with self._on(dst, src):
-            if dst.device.type != src.device.type and dst.dtype != src.dtype:
-                self.copy_cast_on_host(dst, src)
+            host = dst if dst.device.type == "cpu" else src
+            if dst.device.type != src.device.type and (
+                    dst.dtype != src.dtype or (host_can_pin() and not host.is_pinned())):
+                self.copy_cast_on_host(dst, src)  # pageable host state: through the bounce
                 return
             dst.copy_(src)
             if dst.device.type == "cuda" and src.device.type == "cuda":
@@ -373,7 +391,9 @@ class CopyQueue:
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself where pinning is impossible, else a pinned copy (for host state)."""
+    """``t`` itself where pinning is impossible, else a pinned copy (a link buffer)."""
     if not host_can_pin() or t.is_pinned():
         return t
-    return to_host_memory(t)
+    out = host_empty(t.shape, t.dtype)
+    out.copy_(t)
+    return out
