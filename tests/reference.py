@@ -25,7 +25,8 @@ def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step):
 
 class ReferenceZenFlow:
     def __init__(self, param_groups, *, topk_ratio, update_interval, select_interval,
-                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale=None):
+                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale=None,
+                 accumulate_on="device"):
         self.groups = param_groups
         self.ratio = topk_ratio
         self.ui = update_interval
@@ -34,6 +35,8 @@ class ReferenceZenFlow:
         self.warmup = warmup_steps
         self.min_numel = min_offload_numel
         self.host_scale = host_lr_scale  # None = "auto"
+        # A window mean made on the device crosses to the host in the param's dtype.
+        self.mean_crosses = accumulate_on == "device"
         self.t = 0
         self.st = {}
         # Smallest relative gap between the last selected and the first unselected column
@@ -152,6 +155,8 @@ class ReferenceZenFlow:
                     s["sh"] += 1
                     w, m, v = s["w"][:, h], s["m"][:, h], s["v"][:, h]
                     mean = s["acc"][:, h] / s["n"] if s["n"] != 1 else s["acc"][:, h]
+                    if self.mean_crosses:  # rounded once to the param's dtype
+                        mean = mean.to(p.dtype).float()
                     # Warm-up is plain AdamW; "auto" scales by the window's gradient count.
                     scale = (1.0 if warm else float(s["n"]) if self.host_scale is None
                              else float(self.host_scale))

@@ -260,11 +260,16 @@ def test_overlap_runs_are_bit_identical(accumulate_on):
 @pytest.mark.parametrize("cfg", [
     dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True),
     dict(topk_ratio=0.0, update_interval=1, select_interval=4, overlap=False),  # job stores
-], ids=["overlap", "zero-offload"])
+    dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=False),  # streamed
+    dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True,
+         accumulate_on="host"),
+], ids=["overlap", "zero-offload", "sync", "host-acc"])
 def test_bf16_params_follow_reference(cfg):
     """bf16 params: the fp32 masters follow the reference's fp32 weights to fp32 rounding,
     and every bf16 param is its master rounded (nothing else: no update of the bf16 value
-    itself, no round trip of a master through bf16)."""
+    itself, no round trip of a master through bf16). A window mean made in the device
+    accumulator reaches the host AdamW rounded once to bf16, staged or streamed; a host
+    accumulator's is not rounded (the reference does the same)."""
     steps = 16
     feed = GradFeed(steps, pull=0.0, grid=torch.bfloat16)
     masters, _ = run_zenflow(feed, dtype=torch.bfloat16, masters=True, **cfg)

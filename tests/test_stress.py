@@ -71,7 +71,6 @@ def run_zenflow(feed, plan, cfg, **host):
 
 
 def run_reference(feed, plan, cfg):
-    cfg = {k: v for k, v in cfg.items() if k != "accumulate_on"}
     model = FeedModel()
     sync_after = {i for i, action in enumerate(plan) if action == "sync"}
     ref = reference.run_reference(model, feed.batches, feed.loss, param_groups(model, lr=LR),

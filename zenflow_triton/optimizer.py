@@ -37,7 +37,7 @@ from .host import HostAdamW, HostHyper, HostPipeline, HostWorker, HostWorkerErro
 from .kernels import (KernelOps, confirm_nonfinite, get_ops, nonfinite_flags,
                       triton_available)
 from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
-                        new_accumulator, num_selected, select_columns, view2d)
+                        new_accumulator, num_selected, select_columns, state_side, view2d)
 from .transfer import Link, to_host_memory
 
 _SD_KEY = "zenflow"
@@ -511,7 +511,42 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=dev_elems / total if total else 0.0,
                     host_staging_bytes=self._pipeline.staging_bytes(),
+                    **self._memory_bytes(),
                     host_inflight=self._pipeline.inflight, **self._all_counters())
+
+    def _memory_bytes(self) -> dict[str, int]:
+        """Bytes of every tensor the optimizer holds, by side: ``device_state_bytes`` (the
+        params' side: device-owned state, a device accumulator, index copies),
+        ``host_state_bytes`` (host state, staging, outboxes, the workers' scratch, bounce
+        buffers) and, of those, ``host_pinned_bytes``: the link buffers, pinned where CUDA
+        exists. Each storage counts once, whole."""
+        seen: set[tuple[str, int]] = set()
+        out = dict(device_state_bytes=0, host_state_bytes=0, host_pinned_bytes=0)
+
+        def add(side: str, t, link_buffer: bool = False) -> None:
+            if not isinstance(t, torch.Tensor):
+                return
+            storage = t.untyped_storage()
+            key = (side, storage.data_ptr())
+            if storage.nbytes() == 0 or key in seen:
+                return
+            seen.add(key)
+            out[f"{side}_state_bytes"] += storage.nbytes()
+            if link_buffer:
+                out["host_pinned_bytes"] += storage.nbytes()
+
+        for st in self.state.values():
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor):
+                    add(state_side(key, self.config.accumulate_on), value)
+        for _, on_device in self._host_idx_dev.values():
+            add("device", on_device)
+        for buf, crosses in self._pipeline.host_buffers():
+            add("host", buf, link_buffer=crosses)
+        fixed = self._pipeline.scratch_bytes() + self.link.bounce_bytes()
+        out["host_state_bytes"] += fixed
+        out["host_pinned_bytes"] += fixed
+        return out
 
     def _all_counters(self) -> dict[str, Any]:
         return dict(self._counters, host_wait_seconds=self._pipeline.wait_seconds,

@@ -218,47 +218,62 @@ class Link:
 
 
 class CopyIn:
-    """A host job's copy-in: device sources into host buffers of their dtype, each source
-    zeroed after its copy when asked (a window accumulator), issued at launch.
+    """A host job's copy-in: device sources into host buffers, issued at launch. Each pair
+    may ask for its source to be divided first (a window sum into its mean, in place: the
+    source is a window accumulator, zeroed after its copy) and is cast into the host
+    buffer's dtype *before* it crosses (the link carries the host buffer's dtype: a bf16
+    param's window mean crosses and is staged as bf16, rounded once).
 
-    Ordering invariant (CUDA): made on the training thread at launch, each copy (and zero)
-    of a CUDA source runs on the link's device-to-host stream of its device, after the work
-    queued before the launch, non-blocking into pinned host memory; one event per device
-    marks the copies done. The job's thread waits for those events (bounded) before it
-    reads a buffer (:meth:`wait_on_host`); the training stream waits for them before it
-    next writes a source (:meth:`release`, a device-side wait: the training thread does
-    not block); a source's memory is not reused before its copy is done
-    (``record_stream``). CPU sources: the job's thread makes the copies in
+    Ordering invariant (CUDA): made on the training thread at launch, each copy (and its
+    divide, cast and zero) of a CUDA source runs on the link's device-to-host stream of its
+    device, after the work queued before the launch, non-blocking into pinned host memory;
+    one event per device marks the copies done. The job's thread waits for those events
+    (bounded) before it reads a buffer (:meth:`wait_on_host`); the training stream waits
+    for them before it next writes a source (:meth:`release`, a device-side wait: the
+    training thread does not block); a source's memory is not reused before its copy is
+    done (``record_stream``). CPU sources: the job's thread makes the copies in
     :meth:`wait_on_host` (the training thread goes on), and whoever next writes a source
     waits for that on the host (:attr:`host_side`).
     """
 
     def __init__(self, link: Link, pairs) -> None:
-        """``pairs``: ``(host dst, device src, zero src)``, dst contiguous, same dtype and
-        number of elements as src."""
+        """``pairs``: ``(host dst, device src, zero src, divisor or None)``, dst contiguous
+        with as many elements as src."""
         self._host: list = []  # CPU sources, copied by the job's thread
         self._done: dict[torch.device, object] = {}  # CUDA: device -> event, set once
         self._released = False
         by_device: dict[torch.device, list] = {}
-        for dst, src, zero in pairs:
-            if dst.dtype != src.dtype or dst.numel() != src.numel():
-                raise ValueError(f"copy-in: {src.dtype} {tuple(src.shape)} into "
-                                 f"{dst.dtype} {tuple(dst.shape)}")
-            link._count(d2h=src.numel() * src.element_size(), async_=1)
+        for dst, src, zero, divisor in pairs:
+            if dst.numel() != src.numel():
+                raise ValueError(f"copy-in: {tuple(src.shape)} into {tuple(dst.shape)}")
+            if divisor is not None and not zero:
+                raise ValueError("copy-in: only a source that is zeroed after its copy (an "
+                                 "accumulator) may be divided in place")
+            link._count(d2h=dst.numel() * dst.element_size(), async_=1)
             if src.device.type == "cuda":
-                by_device.setdefault(src.device, []).append((dst, src, zero))
+                by_device.setdefault(src.device, []).append((dst, src, zero, divisor))
             else:
-                self._host.append((dst, src, zero))
+                self._host.append((dst, src, zero, divisor))
         for dev, members in by_device.items():
             stream = link._stream(dev, "d2h")
             stream.wait_event(torch.cuda.current_stream(dev).record_event())
             with torch.cuda.stream(stream):
-                for dst, src, zero in members:
-                    dst.view(-1).copy_(src.reshape(-1), non_blocking=True)
+                for dst, src, zero, divisor in members:
+                    dst.view(-1).copy_(self._wire(src, dst.dtype, divisor), non_blocking=True)
                     if zero:
                         src.zero_()
                     src.record_stream(stream)
                 self._done[dev] = stream.record_event()
+
+    @staticmethod
+    def _wire(src: torch.Tensor, dtype: torch.dtype, divisor) -> torch.Tensor:
+        """What crosses: ``src`` (flat) divided in place by ``divisor``, cast to ``dtype`` (a
+        new tensor on the current stream, freed after the copy: the caching allocator keeps
+        it for that stream's next one)."""
+        flat = src.reshape(-1)
+        if divisor is not None and divisor != 1.0:
+            flat.div_(divisor)
+        return flat if flat.dtype == dtype else flat.to(dtype)
 
     @property
     def host_side(self) -> bool:
@@ -269,8 +284,8 @@ class CopyIn:
     def wait_on_host(self, timeout: float) -> None:
         """On the job's thread, before it reads a buffer: make the CPU copies, wait (bounded)
         for the CUDA ones."""
-        for dst, src, zero in self._host:
-            dst.view(-1).copy_(src.reshape(-1))
+        for dst, src, zero, divisor in self._host:
+            dst.view(-1).copy_(self._wire(src, dst.dtype, divisor))
             if zero:
                 src.zero_()
         for event in self._done.values():

@@ -61,6 +61,9 @@ class Outboxes:
         return {k: self._view(on_device[self._layout[k][0]], self._layout[k][1],
                               self._layout[k][2]) for k in keys}
 
+    def arenas(self) -> list[torch.Tensor]:
+        return list(self._arenas.values())
+
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self._arenas.values())
 

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Hashable, Literal, Sequence
 
 import torch
 
-from ..transfer import CopyIn, Link, host_empty
+from ..transfer import CopyIn, Link, host_empty, state_empty
 from .adamw import HostAdamW, HostHyper, PieceIO
 from .outbox import Outboxes
 from .worker import HostJob, HostWorker
@@ -70,6 +70,13 @@ class Window:
     store_into: torch.Tensor | None = None
     outbox: torch.Tensor | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The param's dtype (fp32 when the result goes nowhere but the master): a device
+        accumulator's window mean is rounded to it once, before it crosses."""
+        t = self.outbox if self.outbox is not None else self.store_into
+        return t.dtype if t is not None else torch.float32
+
 
 class HostPipeline:
     def __init__(self, link: Link, adamw: HostAdamW, worker: HostWorker,
@@ -84,6 +91,7 @@ class HostPipeline:
         # Per-param host buffers for the window gradient (fp32), reused across windows;
         # with host accumulation, the spare accumulators.
         self._staging: dict[Hashable, torch.Tensor] = {}
+        self._host_accs: set[Hashable] = set()  # keys whose staging is a spare accumulator
         self._outboxes = Outboxes()
         self._job_outbox: dict[Hashable, torch.Tensor] = {}
         self._stored: list[Hashable] = []
@@ -155,7 +163,7 @@ class HostPipeline:
         the apply is one plain copy per arena, which does not block the training thread."""
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
-        stage: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (host dst, src, zero src)
+        stage: list[tuple] = []  # (host dst, src, zero src, divisor or None)
         stored: list[Hashable] = []
         outboxes: dict[Hashable, torch.Tensor] = {}  # planned once the loop is done
         box_items = []
@@ -163,11 +171,15 @@ class HostPipeline:
         devices: set[torch.device] = set()
         queue = None  # the job's CopyQueue, made below once the devices are known
 
-        def piece_load(flat: torch.Tensor, zero: bool):
+        def piece_load(flat: torch.Tensor, zero: bool, divisor: float | None,
+                       dtype: torch.dtype):
             def load(s: int, e: int, out: torch.Tensor) -> None:
                 queue.copy(out, flat[s:e])
                 if zero:
                     queue.zero_(flat[s:e])
+                if divisor is not None:  # the mean rounded to the param's dtype, as staged
+                    out.div_(divisor)
+                    out.copy_(out.to(dtype))
             return load
 
         def staged_load(staged: torch.Tensor):  # the host casts, piece by piece, in cache
@@ -187,23 +199,47 @@ class HostPipeline:
             return store
 
         for w in windows:
+            if w.store_into is None and w.outbox is not None:
+                # The queue must know the outbox's device even when no gradient crosses
+                # (host accumulation): wait_launched() waits for that device's apply.
+                devices.add(w.outbox.device)
+                box_items.append((w.key, w.master.shape, w.outbox.dtype, w.outbox.device))
+        # Outboxes first: a staged window's gradient is staged in its own outbox (the
+        # param's dtype), which then carries the result back.
+        outboxes.update(self._outboxes.plan(box_items))
+        for w in windows:
             load = store = None
+            hyper = w.hyper
             if w.source == "host_acc":  # the job takes it, the spare becomes the accumulator
                 grad = w.grad
-                spare = self._reusable(w.key, w.grad.shape, w.grad.dtype)
+                spare = self._staging.get(w.key)
+                if (spare is None or w.key not in self._host_accs
+                        or spare.shape != w.grad.shape or spare.dtype != w.grad.dtype):
+                    spare = state_empty(w.grad.shape, w.grad.dtype)  # never crosses
                 new_accs[w.key] = spare.zero_()
                 self._staging[w.key] = w.grad
+                self._host_accs.add(w.key)
             else:
                 src, zero_src = w.grad, w.source == "device_acc"
+                # A window sum is divided before it crosses; rounded when the param is not
+                # fp32 (so the host's gradient is the mean in the param's dtype).
+                divisor = hyper.grad_divisor if zero_src else None
                 devices.add(src.device)
                 if apply_now:  # streamed: never races the job
                     self.link.count_d2h(src.numel() * src.element_size())
-                    grad, load = None, piece_load(src.reshape(-1), zero_src)
-                else:  # staged in the link's dtype (the gradient's), cast by the host
-                    staged = self._reusable(w.key, src.shape, src.dtype)
-                    stage.append((staged, src, zero_src))
+                    rounds = divisor is not None and w.dtype != torch.float32
+                    grad, load = None, piece_load(src.reshape(-1), zero_src,
+                                                  divisor if rounds else None, w.dtype)
+                    if rounds:
+                        hyper = replace(hyper, grad_divisor=1.0)
+                else:  # staged in the param's dtype: its outbox, or a buffer of its own
+                    staged = outboxes.get(w.key)
+                    if staged is None:
+                        staged = self._reusable(w.key, src.shape, w.dtype)
+                    stage.append((staged, src, zero_src, divisor))
+                    hyper = replace(hyper, grad_divisor=1.0)
                     if staged.dtype == torch.float32:
-                        grad = staged
+                        grad = staged.view(w.master.shape)
                     else:
                         grad, load = None, staged_load(staged.view(-1))
             if w.store_into is not None:
@@ -212,16 +248,11 @@ class HostPipeline:
                 store = piece_store(w.store_into, w.master.view(-1))
                 stored.append(w.key)
             elif w.outbox is not None:
-                # The queue must know the outbox's device even when no gradient crosses
-                # (host accumulation): wait_launched() waits for that device's apply.
-                devices.add(w.outbox.device)
-                box_items.append((w.key, w.master.shape, w.outbox.dtype, w.outbox.device))
                 store = outbox_store(w.key, w.master.view(-1))
             io = PieceIO(load, store) if load or store else None
-            tasks.append((w.master, grad, w.m, w.v, w.hyper) + ((io,) if io else ()))
+            tasks.append((w.master, grad, w.m, w.v, hyper) + ((io,) if io else ()))
         if not tasks:
             return new_accs
-        outboxes.update(self._outboxes.plan(box_items))
         adamw = self._adamw
         queue = self.link.copy_queue(devices, self._timeout)
         copy_in = self.link.copy_in(stage)  # CUDA: queued now on the copy stream
@@ -247,17 +278,20 @@ class HostPipeline:
         self._copy_in = (copy_in, copied_in)
         self._stored = stored
         self._job_outbox = outboxes
-        if any(not zero_src for _, _, zero_src in stage):
+        if any(not zero_src for _, _, zero_src, _ in stage):
             # A param's own .grad: the caller may overwrite it once step() returns.
             self.wait_copy_in()
         return new_accs
 
     def _reusable(self, key: Hashable, shape, dtype: torch.dtype) -> torch.Tensor:
-        """The staging buffer of ``key`` (host, pinned where CUDA exists), reused across
-        windows; reallocated only when a reselection changed its column count."""
+        """The staging buffer of ``key`` (a link buffer: pinned where CUDA exists), reused
+        across windows; reallocated only when a reselection changed its column count (or
+        the key's buffer was a spare host accumulator, which is pageable)."""
         buf = self._staging.get(key)
-        if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
+        if (buf is None or key in self._host_accs or buf.shape != torch.Size(shape)
+                or buf.dtype != dtype):
             buf = self._staging[key] = host_empty(shape, dtype)
+            self._host_accs.discard(key)
         return buf
 
     def wait(self) -> None:
@@ -313,3 +347,17 @@ class HostPipeline:
     def staging_bytes(self) -> int:
         return (sum(b.numel() * b.element_size() for b in self._staging.values())
                 + self._outboxes.nbytes() + self._adamw.scratch_bytes())
+
+    def host_buffers(self) -> list[tuple[torch.Tensor, bool]]:
+        """Every host tensor this room holds besides the state: ``(tensor, crosses the
+        link)`` (a staging buffer the copy-in writes, an outbox arena; a spare host
+        accumulator does not cross). The workers' scratch is :meth:`scratch_bytes`."""
+        out = [(b, not self._is_host_acc(k)) for k, b in self._staging.items()]
+        return out + [(a, True) for a in self._outboxes.arenas()]
+
+    def _is_host_acc(self, key) -> bool:
+        return key in self._host_accs
+
+    def scratch_bytes(self) -> int:
+        """The pool workers' scratch (link buffers: a streamed piece is copied into them)."""
+        return self._adamw.scratch_bytes()
