@@ -53,18 +53,24 @@ def signature(fn, p_dtype: str, g_dtype: str) -> dict[str, str]:
     return sig
 
 
-KERNELS = [  # (kernel, constexprs given the param dtype)
+KERNELS = [  # (kernel, constexprs given the param dtype[, pointer types overridden])
     (column_scores._column_scores_kernel,
      lambda pd: dict(L1=False, ACCUMULATE=True, BLOCK_R=32, BLOCK_C=64)),
-    (accumulate._accumulate_columns_kernel, lambda pd: dict(BLOCK_R=32, BLOCK_K=64)),
+    (accumulate._accumulate_columns_kernel,
+     lambda pd: dict(SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
+    (accumulate._accumulate_columns_kernel,  # a bf16 accumulator (accumulator_dtype)
+     lambda pd: dict(SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64), {"acc_ptr": "*bf16"}),
     (columns._gather_columns_kernel, lambda pd: dict(SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
     (columns._scatter_columns_kernel, lambda pd: dict(SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
     (selective_adamw._selective_adamw_kernel,
      lambda pd: dict(HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
     (adamw._adamw_kernel, lambda pd: dict(HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK=2048)),
     (selective_adamw_multi._selective_adamw_accumulate_kernel,
-     lambda pd: dict(W=16, SEARCH=3, HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK_R=32,
-                     BLOCK_K=64)),
+     lambda pd: dict(W=16, SEARCH=3, HAS_MASTER=pd != "fp32", ACC_BF16=False, SOFT_BF16=False,
+                     BLOCK_R=32, BLOCK_K=64)),
+    (selective_adamw_multi._selective_adamw_accumulate_kernel,
+     lambda pd: dict(W=16, SEARCH=3, HAS_MASTER=pd != "fp32", ACC_BF16=True, SOFT_BF16=False,
+                     BLOCK_R=32, BLOCK_K=64)),
     (adamw._adamw_multi_kernel,
      lambda pd: dict(W=6, SEARCH=3, HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK=2048)),
     (scatter_multi._scatter_columns_multi_kernel,
@@ -75,13 +81,17 @@ KERNELS = [  # (kernel, constexprs given the param dtype)
 def main() -> int:
     target = GPUTarget("cuda", 90, 32)
     done = total = 0
-    for (kernel, consts), p_dtype, g_dtype in itertools.product(
+    for entry, p_dtype, g_dtype in itertools.product(
             KERNELS, ("fp32", "bf16", "fp16"), ("fp32", "bf16")):
+        kernel, consts = entry[:2]
+        overrides = entry[2] if len(entry) > 2 else {}
         total += 1
-        label = f"{kernel.fn.__name__} p={p_dtype} g={g_dtype}"
+        label = (f"{kernel.fn.__name__} p={p_dtype} g={g_dtype} "
+                 f"{' '.join(f'{k}={v}' for k, v in consts(p_dtype).items() if k == 'ACC_BF16')}"
+                 f"{' '.join(f'{k}={v}' for k, v in overrides.items())}").rstrip()
         try:
-            triton.compile(ASTSource(kernel, signature(kernel, p_dtype, g_dtype),
-                                     consts(p_dtype)), target=target,
+            sig = {**signature(kernel, p_dtype, g_dtype), **overrides}
+            triton.compile(ASTSource(kernel, sig, consts(p_dtype)), target=target,
                            options={"num_warps": 4})
             done += 1
             print("ok  ", label)

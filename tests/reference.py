@@ -26,7 +26,8 @@ def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step):
 class ReferenceZenFlow:
     def __init__(self, param_groups, *, topk_ratio, update_interval, select_interval,
                  overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale=None,
-                 accumulate_on="device"):
+                 accumulate_on="device", accumulator_dtype="float32",
+                 host_state_dtype="float32"):
         self.groups = param_groups
         self.ratio = topk_ratio
         self.ui = update_interval
@@ -37,6 +38,11 @@ class ReferenceZenFlow:
         self.host_scale = host_lr_scale  # None = "auto"
         # A window mean made on the device crosses to the host in the param's dtype.
         self.mean_crosses = accumulate_on == "device"
+        # A bf16 accumulator rounds each step's sum (fp32 add, round to nearest even); a
+        # one-step window (warm-up, update_interval=1) hands its gradient over as it is.
+        self.acc_dtype = getattr(torch, accumulator_dtype)
+        if host_state_dtype != "float32":
+            raise NotImplementedError("the reference models fp32 host moments only")
         self.t = 0
         self.st = {}
         # Smallest relative gap between the last selected and the first unselected column
@@ -141,6 +147,8 @@ class ReferenceZenFlow:
                 p.detach().view(s["w"].shape)[:, d] = w.to(p.dtype)
             if (~d).any():
                 s["acc"][:, ~d] += g2[:, ~d]
+                if self.acc_dtype != torch.float32 and not (warm or self.ui == 1):
+                    s["acc"][:, ~d] = s["acc"][:, ~d].to(self.acc_dtype).float()
                 s["n"] += 1
         if warm or u % self.ui == 0:
             if self.overlap and not warm:

@@ -27,6 +27,8 @@ from .helpers import batches, loss_fn, make_model, params_of
     ("backend", "cuda", r"backend must be one of \['auto', 'torch', 'triton'\]"),
     ("score", "l3", r"score must be one of \['l2', 'l1'\]"),
     ("accumulate_on", "gpu", r"accumulate_on must be one of \['device', 'host'\]"),
+    ("host_state_dtype", "float16", r"host_state_dtype must be one of \['float32', 'bfloat16'\]"),
+    ("accumulator_dtype", "fp8", r"accumulator_dtype must be one of \['float32', 'bfloat16'\]"),
     ("warmup_steps", -1, "warmup_steps must be >= 0"),
     ("host_threads", 0, "host_threads must be >= 1"),
     ("host_lr_scale", 0.0, "host_lr_scale must be > 0"),

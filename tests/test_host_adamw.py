@@ -354,3 +354,40 @@ def test_host_cores_config_validation():
     for bad in ([], [-1], "0,1", [0.5], [True]):
         with pytest.raises(ConfigError, match="host_cores"):
             ZenFlowConfig(host_cores=bad)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "reference"])
+@pytest.mark.parametrize("threads,chunk_size", [(1, 1 << 22), (2, 1000), (3, 64)])
+def test_bf16_moments_are_the_fp32_update_rounded(host, kernel, threads, chunk_size):
+    """m and v in bf16: each step widens them (exactly), runs the same fp32 update and rounds
+    them to nearest once, bit for bit, whatever the threads and pieces; the master stays
+    fp32. A streamed gradient (PieceIO) gives the same numbers."""
+    n, steps = 3001, 4
+    master, m, v = buffers(n)
+    m16, v16 = m.to(torch.bfloat16), v.to(torch.bfloat16)
+    want_master = master.clone()
+    got_master = master.clone()
+    a = host(threads, chunk_size, kernel=kernel)
+    ref = host(1, 1 << 22, kernel=kernel)
+    gm, gv = m16.clone(), v16.clone()
+    sm, sv, s_master = m16.clone(), v16.clone(), master.clone()
+    for t, g in enumerate(grads(n, steps), start=1):
+        wm, wv = m16.float(), v16.float()
+        ref.update(want_master, g.clone(), wm, wv, hyper(t))
+        m16, v16 = wm.to(torch.bfloat16), wv.to(torch.bfloat16)
+        a.update(got_master, g.clone(), gm, gv, hyper(t))
+        a.update_many([(s_master, None, sm, sv, hyper(t),
+                        PieceIO(lambda s, e, out, g=g: out.copy_(g[s:e]), None))])
+        assert gm.dtype == torch.bfloat16 and gv.dtype == torch.bfloat16
+        assert torch.equal(got_master, want_master) and torch.equal(s_master, want_master)
+        assert torch.equal(gm, m16) and torch.equal(gv, v16)
+        assert torch.equal(sm, m16) and torch.equal(sv, v16)
+    assert a.moment_scratch_bytes() > 0
+
+
+def test_moments_must_share_a_supported_dtype(host):
+    master, m, v = buffers(10)
+    with pytest.raises(TypeError, match="m and v must both be one of"):
+        host().update(master, torch.ones(10), m.half(), v.half(), hyper(1))
+    with pytest.raises(TypeError, match="m and v must both be one of"):
+        host().update(master, torch.ones(10), m.to(torch.bfloat16), v, hyper(1))

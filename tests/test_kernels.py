@@ -583,3 +583,47 @@ def test_multi_tensor_kernels_refuse_int32_indices():
     items[0][2] = items[0][2].to(torch.int32)
     with pytest.raises(ValueError, match="int64 tensor"):
         _run_multi(selective_adamw_accumulate, items)
+
+
+@pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_bf16_accumulators(g_dtype):
+    """accumulator_dtype="bfloat16": the multi-tensor kernel, the single-param kernel and
+    torch's ``acc.add_`` agree bit for bit (one fp32 add, correctly rounded everywhere, then
+    rounded to nearest even into bf16), and the sum really is kept in bf16."""
+    from zenflow_triton.kernels.selective_adamw_multi import (
+        selective_adamw_accumulate, selective_adamw_accumulate_ref)
+
+    items = _multi_case(torch.bfloat16, g_dtype=g_dtype)
+    for it in items:
+        if it[7] is not None:
+            it[7] = it[7].to(torch.bfloat16)
+    multi, single, ref = ([_clone(it) for it in items] for _ in range(3))
+    assert _run_multi(selective_adamw_accumulate, multi) == 1
+    for p, g, idx, m, v, master, step, acc, hidx in single:
+        if acc is not None:
+            TRITON_OPS.accumulate_columns(acc, g, hidx, 1.0)
+    _run_multi(selective_adamw_accumulate_ref, ref)
+    changed = 0
+    for j, (a, b, r, orig) in enumerate(zip(multi, single, ref, items)):
+        if a[7] is None:
+            continue
+        assert a[7].dtype == torch.bfloat16
+        assert torch.equal(a[7], b[7]), f"param {j}: multi vs single-param kernel"
+        assert torch.equal(a[7], r[7]), f"param {j}: kernel vs torch acc.add_"
+        changed += int(not torch.equal(a[7], orig[7]))
+    assert changed  # the gradients were really added
+
+
+def test_multi_kernel_groups_accumulator_dtypes():
+    """fp32 and bf16 accumulators in one call: one launch each, and an fp16 accumulator is
+    refused by name."""
+    from zenflow_triton.kernels.selective_adamw_multi import selective_adamw_accumulate
+
+    a, b = _multi_case(torch.float32)[:2], _multi_case(torch.float32, seed=1)[:2]
+    for it in b:
+        it[7] = it[7].to(torch.bfloat16)
+    assert _run_multi(selective_adamw_accumulate, a + b) == 2
+    bad = _multi_case(torch.float32)[1:2]  # host-owned columns to accumulate
+    bad[0][7] = bad[0][7].half()
+    with pytest.raises(ValueError, match=r"acc\[0\] must be a contiguous fp32 or bf16"):
+        _run_multi(selective_adamw_accumulate, bad)

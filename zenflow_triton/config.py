@@ -10,9 +10,12 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
+import torch
+
 Backend = Literal["auto", "torch", "triton"]
 Score = Literal["l2", "l1"]
 AccumulateOn = Literal["device", "host"]
+StateDtype = Literal["float32", "bfloat16"]
 
 DEFAULT_CHUNK_SIZE = 1 << 22  # 4M fp32 elements = 16 MiB per staging buffer
 DEFAULT_MIN_OFFLOAD_NUMEL = 4096
@@ -61,6 +64,16 @@ class ZenFlowConfig:
     """Where the gradient of host-owned columns is summed over a window: "device" (one
     transfer per window) or "host" (one transfer per step, less device memory)."""
 
+    host_state_dtype: StateDtype = "float32"
+    """Dtype of the host moments m and v: "float32", or "bfloat16" (2 B less per moment per
+    host-owned element; each host step rounds them to nearest once). The host master is
+    always fp32. Its cost in quality is measured in the README ("Memory")."""
+
+    accumulator_dtype: StateDtype = "float32"
+    """Dtype of the window accumulator (on the device, or on the host with
+    accumulate_on="host"): "float32", or "bfloat16" (half the bytes; each step's sum is
+    rounded to nearest). Its cost in quality is measured in the README ("Memory")."""
+
     score: Score = "l2"
     """Column importance: "l2" = sum of squared gradients per column, "l1" = sum of |g|."""
 
@@ -108,6 +121,8 @@ class ZenFlowConfig:
         _check_number("chunk_size", self.chunk_size, int, lo=1, rng=">= 1")
         _check_number("min_offload_numel", self.min_offload_numel, int, lo=1, rng=">= 1")
         _check_choice("accumulate_on", self.accumulate_on, AccumulateOn)
+        _check_choice("host_state_dtype", self.host_state_dtype, StateDtype)
+        _check_choice("accumulator_dtype", self.accumulator_dtype, StateDtype)
         _check_choice("score", self.score, Score)
         _check_choice("backend", self.backend, Backend)
         if self.host_threads is not None:
@@ -136,6 +151,16 @@ class ZenFlowConfig:
     def effective_host_lr_scale(self) -> float:
         """The host lr multiplier of a full window (update_interval gradients) after warm-up."""
         return self.host_lr_multiplier(self.update_interval)
+
+    @property
+    def host_moment_dtype(self):
+        """``host_state_dtype`` as a torch dtype."""
+        return _TORCH_DTYPES[self.host_state_dtype]
+
+    @property
+    def accumulator_torch_dtype(self):
+        """``accumulator_dtype`` as a torch dtype."""
+        return _TORCH_DTYPES[self.accumulator_dtype]
 
     def host_lr_multiplier(self, n: int, warmup: bool = False) -> float:
         """The host lr multiplier of a window in which the param accumulated ``n`` gradients:
@@ -169,6 +194,9 @@ class ZenFlowConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _check_number(name: str, value: Any, kind: type, *, lo: float | None = None,

@@ -274,7 +274,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor) -> None:
         if classify(p, self.config) == MATRIX:
-            self.state[p] = init_matrix_state(p, self.link, self.config.accumulate_on)
+            self.state[p] = init_matrix_state(p, self.link, self.config.accumulate_on,
+                                              self.config.host_moment_dtype)
             return
         st = {"kind": SMALL, "step": 0,
               "exp_avg": torch.zeros_like(p, dtype=torch.float32),
@@ -350,7 +351,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 else:
                     if st["acc"] is None:  # the first window that accumulates makes it
                         st["acc"] = new_accumulator(g2d.shape[0], host_idx.numel(),
-                                                    p.device, self.config.accumulate_on)
+                                                    p.device, self.config.accumulate_on,
+                                                    self.config.accumulator_torch_dtype)
                     if acc_on_device:
                         acc = st["acc"]
                     else:  # the columns cross the link every step, in the grad's dtype
@@ -663,7 +665,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 st[key] = value
                 continue
             is_idx = key.endswith("_idx")
-            dtype = torch.long if is_idx else torch.float32
+            dtype = (torch.long if is_idx
+                     else self.config.host_moment_dtype if key in ("host_m", "host_v")
+                     else self.config.accumulator_torch_dtype if key == "acc"
+                     else torch.float32)
             if key.startswith("host_") or (key == "acc" and acc_on_host):
                 st[key] = to_host_memory(value, dtype)  # straight to host memory
             else:

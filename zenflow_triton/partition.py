@@ -69,8 +69,10 @@ def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[f
             (1.0 - beta2 ** s_dst) / (1.0 - beta2 ** s_src))
 
 
-def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str) -> dict:
-    """Every column host-owned, zero moments, fp32 master copied from the param."""
+def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str,
+                      moment_dtype: torch.dtype = torch.float32) -> dict:
+    """Every column host-owned, zero moments (host ones in ``moment_dtype``), fp32 master
+    copied from the param."""
     rows, cols = shape2d(p)
     dev = p.device
     return {
@@ -85,8 +87,8 @@ def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str) -> dict:
         "host_idx": torch.arange(cols, dtype=torch.long),
         "host_master": link.to_host(view2d(p.detach()), dtype=torch.float32,
                                     pin=False).contiguous(),
-        "host_m": state_zeros((rows, cols)),
-        "host_v": state_zeros((rows, cols)),
+        "host_m": state_zeros((rows, cols), moment_dtype),
+        "host_v": state_zeros((rows, cols), moment_dtype),
         "host_step": 0,
         "acc": None,  # made by the first step that accumulates (new_accumulator)
         "acc_count": 0,
@@ -94,14 +96,15 @@ def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str) -> dict:
     }
 
 
-def new_accumulator(rows: int, n: int, device: torch.device, accumulate_on: str):
+def new_accumulator(rows: int, n: int, device: torch.device, accumulate_on: str,
+                    dtype: torch.dtype = torch.float32):
     """The window accumulator of ``n`` host-owned columns (fp32, zero): on the param's device,
     or in pageable host memory (``accumulate_on="host"``: no copy reads it across the link).
     Made only when a window accumulates (not in warm-up or one-step windows, which hand
     their gradient over as it is), and dropped when a selection changes the split."""
     if accumulate_on == "device":
-        return torch.zeros(rows, n, device=device)
-    return state_zeros((rows, n))
+        return torch.zeros(rows, n, device=device, dtype=dtype)
+    return state_zeros((rows, n), dtype)
 
 
 STATE_SIDES = {"device_idx": "device", "device_m": "device", "device_v": "device",
@@ -280,8 +283,8 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
         host_pos = torch.from_numpy(plan["host_pos"])
         mh, md = plan["moved_host"], plan["moved_dev"]
 
-        def assemble_host(old, moved_cols):  # pageable host state
-            return torch.cat([old, moved_cols], dim=1).index_select(1, host_pos)
+        def assemble_host(old, moved_cols):  # pageable host state, in the old half's dtype
+            return torch.cat([old, moved_cols.to(old.dtype)], dim=1).index_select(1, host_pos)
 
         def assemble_dev(old, moved_cols):
             return torch.cat([old, moved_cols], dim=1).index_select(1, plan["dev_pos_d"])

@@ -272,7 +272,9 @@ class CopyIn:
         it for that stream's next one)."""
         flat = src.reshape(-1)
         if divisor is not None and divisor != 1.0:
-            flat.div_(divisor)
+            if flat.dtype != torch.float32 and flat.dtype != dtype:  # wider than the sum:
+                return flat.to(dtype).div_(divisor)                   # widen, then divide
+            flat.div_(divisor)  # fp32 math, rounded to the sum's dtype where it is narrower
         return flat if flat.dtype == dtype else flat.to(dtype)
 
     @property

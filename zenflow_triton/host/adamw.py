@@ -53,6 +53,8 @@ from ..adamw_math import adamw_
 from ..transfer import host_empty
 
 ALIGN = 64
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+"""Dtypes the moments m and v may be stored in (the master is always fp32)."""
 """Pieces start at multiples of this many elements (see the module docstring)."""
 
 MIN_PIECE = 1 << 16
@@ -347,6 +349,7 @@ class HostAdamW:
         self.kernel = kernel
         self._scratch_lock = threading.Lock()
         self._scratch_bytes = 0
+        self._moment_scratch_bytes = 0
         self._pool: _Pool | None = _Pool(threads, "zenflow-host-adamw", cores)
         _OPEN.add(self)
 
@@ -376,8 +379,11 @@ class HostAdamW:
             raise RuntimeError("this HostAdamW is closed")
         flats = [self._check(i, t) for i, t in enumerate(tasks)]
         ios = [t[5] if len(t) == 6 else None for t in tasks]
+        # Pieces of bounded size where the worker stages something: a loaded gradient, or
+        # low-precision moments (widened to fp32 in the worker's scratch, rounded back).
         batches = self._plan(flats, [t[4] for t in tasks],
-                             [io is not None and io.load is not None for io in ios])
+                             [(io is not None and io.load is not None,
+                               f[2].dtype != torch.float32) for f, io in zip(flats, ios)])
         if not batches:
             return
         if not pool.alive():
@@ -390,6 +396,10 @@ class HostAdamW:
     def scratch_bytes(self) -> int:
         """Bytes of the workers' scratch buffers (the bounded staging of piece-wise loads)."""
         return self._scratch_bytes
+
+    def moment_scratch_bytes(self) -> int:
+        """Bytes of the workers' fp32 copies of low-precision moment pieces (pageable)."""
+        return self._moment_scratch_bytes
 
     def close(self) -> None:
         """Stop the workers after the work in flight; idempotent, bounded by ``timeout``."""
@@ -422,12 +432,18 @@ class HostAdamW:
             raise ValueError(f"task {i}: give grad=None exactly when io.load brings the "
                              "gradient")
         n = ts[0].numel()
+        if ts[2].dtype != ts[3].dtype or ts[2].dtype not in MOMENT_DTYPES:
+            raise TypeError(f"task {i}: m and v must both be one of "
+                            f"{[str(d) for d in MOMENT_DTYPES]}, got {ts[2].dtype} and "
+                            f"{ts[3].dtype}")
         for name, t in zip(("master", "grad", "m", "v"), ts):
             if t is None:
                 continue
-            if t.dtype != torch.float32 or not t.is_cpu:
-                raise TypeError(f"task {i}: {name} must be fp32 on the CPU, got {t.dtype} on "
-                                f"{t.device}")
+            want = ts[2].dtype if name in ("m", "v") else torch.float32
+            if t.dtype != want or not t.is_cpu:
+                short = {torch.float32: "fp32", torch.bfloat16: "bf16"}[want]
+                raise TypeError(f"task {i}: {name} must be {short} on the CPU, got {t.dtype} "
+                                f"on {t.device}")
             if not t.is_contiguous():
                 raise ValueError(f"task {i}: {name} must be contiguous")
             if t.numel() != n:
@@ -454,8 +470,9 @@ class HostAdamW:
         for ti, (f, h, load) in enumerate(zip(flats, hypers, loads)):
             n = f[0].numel()
             key = (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.grad_divisor, load)
-            step = min(piece, STREAM_PIECE) if load else piece
-            cap = min(capacity, STREAM_PIECE) if load else capacity  # >= step
+            staged = any(load)
+            step = min(piece, STREAM_PIECE) if staged else piece
+            cap = min(capacity, STREAM_PIECE) if staged else capacity  # >= step
             s = 0
             while s < n:
                 cur = open_batch.get(key)
@@ -474,16 +491,23 @@ class HostAdamW:
     def _run_batch(self, flats, ios, steps, batch) -> None:
         hyper, pieces = batch
         lists: list[list[torch.Tensor]] = [[], [], [], []]
-        need = sum(-(-(e - s) // ALIGN) * ALIGN for ti, s, e in pieces
+
+        def padded(s: int, e: int) -> int:
+            return -(-(e - s) // ALIGN) * ALIGN  # pieces start ALIGN-aligned in a scratch
+
+        need = sum(padded(s, e) for ti, s, e in pieces
                    if ios[ti] is not None and ios[ti].load is not None)
         scratch = self._scratch(need) if need else None
-        off = 0
+        need_m = sum(padded(s, e) for ti, s, e in pieces if flats[ti][2].dtype != torch.float32)
+        mscratch = self._moment_scratch(2 * need_m) if need_m else None
+        narrow: list[tuple] = []  # (m piece, v piece, their fp32 copies): rounded back after
+        off = off_m = 0
         for ti, s, e in pieces:
             master, grad, m, v = flats[ti]
             io = ios[ti]
             if io is not None and io.load is not None:
-                grad = scratch[off:off + (e - s)]  # pieces start ALIGN-aligned in the scratch
-                off += -(-(e - s) // ALIGN) * ALIGN
+                grad = scratch[off:off + (e - s)]
+                off += padded(s, e)
                 io.load(s, e, grad)
                 lists[1].append(grad)
             elif s == 0 and e == grad.numel():  # a whole tensor: no views to make
@@ -491,10 +515,24 @@ class HostAdamW:
             else:
                 lists[1].append(grad[s:e])
             whole = s == 0 and e == master.numel()
-            for out, t in ((lists[0], master), (lists[2], m), (lists[3], v)):
-                out.append(t if whole else t[s:e])
+            lists[0].append(master if whole else master[s:e])
+            if m.dtype != torch.float32:  # widened (exactly) into the worker's scratch
+                m32 = mscratch[off_m:off_m + (e - s)]
+                v32 = mscratch[off_m + padded(s, e):off_m + padded(s, e) + (e - s)]
+                off_m += 2 * padded(s, e)
+                m32.copy_(m[s:e])
+                v32.copy_(v[s:e])
+                narrow.append((m[s:e], v[s:e], m32, v32))
+                lists[2].append(m32)
+                lists[3].append(v32)
+            else:
+                lists[2].append(m if whole else m[s:e])
+                lists[3].append(v if whole else v[s:e])
         call = _fused_call if self.kernel == "fused" else _reference_call
         call(lists, [steps[ti] for ti, _, _ in pieces], hyper)
+        for m, v, m32, v32 in narrow:  # rounded to nearest, once per step
+            m.copy_(m32)
+            v.copy_(v32)
         for ti, s, e in pieces:
             io = ios[ti]
             if io is not None and io.store is not None:
@@ -510,6 +548,18 @@ class HostAdamW:
             local.scratch = buf = host_empty((n,))
             with self._scratch_lock:
                 self._scratch_bytes += n * 4 - old
+        return buf
+
+    def _moment_scratch(self, n: int) -> torch.Tensor:
+        """This worker's fp32 buffer of at least ``n`` elements for low-precision moments
+        (pageable: it never crosses the link), kept for the next batch."""
+        local = self._pool.local
+        buf = getattr(local, "mscratch", None)
+        if buf is None or buf.numel() < n:
+            old = 0 if buf is None else buf.numel() * 4
+            local.mscratch = buf = torch.empty(n)
+            with self._scratch_lock:
+                self._moment_scratch_bytes += n * 4 - old
         return buf
 
     def _wait(self, pool: _Pool, futures: list[Future], batches) -> None:

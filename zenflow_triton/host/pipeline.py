@@ -211,7 +211,10 @@ class HostPipeline:
             load = store = None
             hyper = w.hyper
             if w.source == "host_acc":  # the job takes it, the spare becomes the accumulator
-                grad = w.grad
+                if w.grad.dtype == torch.float32:
+                    grad = w.grad
+                else:  # a bf16 accumulator: widened piece by piece by the pool
+                    grad, load = None, staged_load(w.grad.view(-1))
                 spare = self._staging.get(w.key)
                 if (spare is None or w.key not in self._host_accs
                         or spare.shape != w.grad.shape or spare.dtype != w.grad.dtype):

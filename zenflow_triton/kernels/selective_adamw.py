@@ -107,10 +107,12 @@ def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_deca
                 bc2_sqrt=bc2_sqrt)
 
 
-def _check_state(name: str, t: torch.Tensor, rows: int, k: int, device) -> None:
-    if t.dtype != torch.float32 or tuple(t.shape) != (rows, k) or not t.is_contiguous() \
+def _check_state(name: str, t: torch.Tensor, rows: int, k: int, device,
+                 dtypes: tuple = (torch.float32,)) -> None:
+    if t.dtype not in dtypes or tuple(t.shape) != (rows, k) or not t.is_contiguous() \
             or t.device != device:
-        raise ValueError(f"{name} must be a contiguous fp32 [{rows}, {k}] tensor on {device}, "
+        kinds = " or ".join({torch.float32: "fp32", torch.bfloat16: "bf16"}[d] for d in dtypes)
+        raise ValueError(f"{name} must be a contiguous {kinds} [{rows}, {k}] tensor on {device}, "
                          f"got {t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()} "
                          f"on {t.device}")
 

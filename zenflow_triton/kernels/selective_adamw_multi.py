@@ -23,8 +23,8 @@ from typing import Sequence
 import torch
 
 from . import _launch, _multi
-from .accumulate import accumulate_columns_ref
-from .columns import _check_idx, column_tile
+from .accumulate import ACC_DTYPES, accumulate_columns_ref
+from .columns import _check_idx, cast_rtne, column_tile
 from .selective_adamw import _check_state, adamw_block, adamw_scalars, selective_adamw_ref
 
 try:
@@ -47,6 +47,7 @@ def _selective_adamw_accumulate_kernel(
     decay, lerp_w, beta2, one_minus_beta2, eps,
     W: tl.constexpr, SEARCH: tl.constexpr,
     HAS_MASTER: tl.constexpr,  # low-precision params: the weight lives in the fp32 master
+    ACC_BF16: tl.constexpr,    # the accumulators of this launch are bf16 (else fp32)
     SOFT_BF16: tl.constexpr,   # see columns.cast_rtne
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -80,10 +81,15 @@ def _selective_adamw_accumulate_kernel(
                                                  BLOCK_R, BLOCK_K)
         g = tl.load(g_ptr + offs_r[:, None] * g_sr + (cols * g_sc)[None, :],
                     mask=mask, other=0.0).to(tl.float32)
-        acc_ptrs = (tl.load(row + 6).to(tl.pointer_type(tl.float32))
-                    + offs_r[:, None] * n + offs_k.to(tl.int64)[None, :])
-        acc = tl.load(acc_ptrs, mask=mask, other=0.0)
-        tl.store(acc_ptrs, acc + 1.0 * g, mask=mask)  # as accumulate_columns at scale 1.0
+        acc_at = offs_r[:, None] * n + offs_k.to(tl.int64)[None, :]
+        if ACC_BF16:  # as accumulate_columns at scale 1.0: an fp32 add, rounded to nearest
+            acc_ptrs = tl.load(row + 6).to(tl.pointer_type(tl.bfloat16)) + acc_at
+            acc = tl.load(acc_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(acc_ptrs, cast_rtne(acc + 1.0 * g, tl.bfloat16, SOFT_BF16), mask=mask)
+        else:
+            acc_ptrs = tl.load(row + 6).to(tl.pointer_type(tl.float32)) + acc_at
+            acc = tl.load(acc_ptrs, mask=mask, other=0.0)
+            tl.store(acc_ptrs, acc + 1.0 * g, mask=mask)  # as accumulate_columns at 1.0
 
 
 def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torch.Tensor],
@@ -118,19 +124,32 @@ def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torc
                                  f"{'an fp32 master' if p.dtype != torch.float32 else 'no master'}")
         if accs[i] is not None and host_idxs[i] is not None and host_idxs[i].numel():
             _check_idx(host_idxs[i], p.device, int64_only=True)
-            _check_state(f"acc[{i}]", accs[i], rows, host_idxs[i].numel(), p.device)
+            _check_state(f"acc[{i}]", accs[i], rows, host_idxs[i].numel(), p.device,
+                         ACC_DTYPES)
         groups.setdefault((p.device, p.dtype, g.dtype), []).append(i)
     launches = 0
-    for (device, p_dtype, _), members in groups.items():
-        launches += _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
-                                  host_idxs, device, p_dtype != torch.float32,
-                                  lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                  weight_decay=weight_decay)
+    for (device, p_dtype, _), members in list(groups.items()):
+        # One launch per accumulator dtype; a param with nothing to accumulate joins the first.
+        by_acc: dict[torch.dtype, list[int]] = {}
+        for i in members:
+            has_acc = accs[i] is not None and host_idxs[i] is not None and host_idxs[i].numel()
+            by_acc.setdefault(accs[i].dtype if has_acc else None, []).append(i)
+        loose = by_acc.pop(None, [])
+        if not by_acc:
+            by_acc[torch.float32] = []
+        by_acc[next(iter(by_acc))] += loose
+        for acc_dtype, sub in by_acc.items():
+            launches += _launch_group(sorted(sub), p2ds, g2ds, dev_idxs, ms, vs, masters,
+                                      steps, accs, host_idxs, device, p_dtype != torch.float32,
+                                      acc_dtype == torch.bfloat16,
+                                      lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                      weight_decay=weight_decay)
     return launches
 
 
 def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, host_idxs,
-                  device, has_master, *, lr, beta1, beta2, eps, weight_decay) -> int:
+                  device, has_master, acc_bf16, *, lr, beta1, beta2, eps,
+                  weight_decay) -> int:
     max_rows = max(p2ds[i].shape[0] for i in members)
     max_cols = max(p2ds[i].shape[1] for i in members)
     block_r, block_k, num_warps = _launch.tile_2d(max_rows, max_cols)
@@ -174,7 +193,7 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
             *tabs, len(order), p2ds[first], g2ds[first],
             s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
             W=_W, SEARCH=_multi.search_steps(len(order)), HAS_MASTER=has_master,
-            SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
+            ACC_BF16=acc_bf16, SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
             num_warps=num_warps,
         )
     return 1
