@@ -440,10 +440,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if not windows:
             return
         self._counters["host_updates"] += 1
-        new_accs = self._pipeline.launch(windows, apply_now,
-                                         f"host AdamW of step {self._global_step}")
-        for p, acc in new_accs.items():
-            self.state[p]["acc"] = acc
+        self._pipeline.launch(windows, apply_now, f"host AdamW of step {self._global_step}")
 
     def _drain(self) -> None:
         """Wait for host work in flight, then write every pending host result into its param."""
@@ -545,8 +542,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             add("device", on_device)
         for buf, crosses in self._pipeline.host_buffers():
             add("host", buf, link_buffer=crosses)
-        fixed = self._pipeline.scratch_bytes() + self.link.bounce_bytes()
-        out["host_state_bytes"] += fixed
+        pinned_scratch, pageable_scratch = self._pipeline.scratch_bytes()
+        fixed = pinned_scratch + self.link.bounce_bytes()
+        out["host_state_bytes"] += fixed + pageable_scratch
         out["host_pinned_bytes"] += fixed
         return out
 

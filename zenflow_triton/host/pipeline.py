@@ -41,7 +41,7 @@ from typing import Hashable, Literal, Sequence
 
 import torch
 
-from ..transfer import CopyIn, Link, host_empty, state_empty
+from ..transfer import CopyIn, Link, host_empty
 from .adamw import HostAdamW, HostHyper, PieceIO
 from .outbox import Outboxes
 from .worker import HostJob, HostWorker
@@ -56,7 +56,8 @@ class Window:
     ``source``: where the window's gradient is: ``"direct"`` (a one-step window's own
     gradient columns on the device, ``grad``), ``"device_acc"`` (the fp32 device
     accumulator ``grad``, zeroed by the job once copied) or ``"host_acc"`` (the host
-    accumulator ``grad``, handed to the job; a spare becomes the accumulator).
+    accumulator ``grad``: the job reads it and zeroes it piece by piece; the next window's
+    host accumulation, queued on the same worker after the job, then adds into it again).
     ``store_into``: the param's flat view, when the job writes the result into it itself.
     ``outbox``: the param, when the result reaches it through an outbox (another dtype, or
     a CUDA param): its dtype, device and the master's shape size the outbox."""
@@ -88,10 +89,9 @@ class HostPipeline:
         self._inflight: HostJob | None = None
         self._copy_in: tuple[CopyIn, threading.Event] | None = None  # the job's copy-in
         self._adds: list[HostJob] = []  # host accumulation jobs not yet waited for
-        # Per-param host buffers for the window gradient (fp32), reused across windows;
-        # with host accumulation, the spare accumulators.
+        # Per-param host buffers for a window gradient that crosses (link buffers), reused
+        # across windows.
         self._staging: dict[Hashable, torch.Tensor] = {}
-        self._host_accs: set[Hashable] = set()  # keys whose staging is a spare accumulator
         self._outboxes = Outboxes()
         self._job_outbox: dict[Hashable, torch.Tensor] = {}
         self._stored: list[Hashable] = []
@@ -149,10 +149,8 @@ class HostPipeline:
         self._copy_in = None
 
     # ------------------------------------------------------------------ a window
-    def launch(self, windows: Sequence[Window], apply_now: bool,
-               label: str) -> dict[Hashable, torch.Tensor]:
-        """Hand ``windows`` to the host worker as one job; returns, for each ``"host_acc"``
-        window, the accumulator that replaces the one the job took.
+    def launch(self, windows: Sequence[Window], apply_now: bool, label: str) -> None:
+        """Hand ``windows`` to the host worker as one job.
 
         ``apply_now``: the caller waits for this job at once (overlap=False, warm-up). The
         job then streams: each pool worker loads a piece of the gradient straight from its
@@ -167,7 +165,6 @@ class HostPipeline:
         stored: list[Hashable] = []
         outboxes: dict[Hashable, torch.Tensor] = {}  # planned once the loop is done
         box_items = []
-        new_accs: dict[Hashable, torch.Tensor] = {}
         devices: set[torch.device] = set()
         queue = None  # the job's CopyQueue, made below once the devices are known
 
@@ -192,6 +189,13 @@ class HostPipeline:
                 queue.copy(param_flat[s:e], master_flat[s:e])
             return store
 
+        def zeroing(inner, flat: torch.Tensor):  # store, then zero the piece of the source
+            def store(s: int, e: int) -> None:
+                if inner is not None:
+                    inner(s, e)
+                flat[s:e].zero_()
+            return store
+
         def outbox_store(key: Hashable, master_flat: torch.Tensor):
             def store(s: int, e: int) -> None:
                 queue.wait_launched()  # the last apply's non-blocking copy may still read it
@@ -210,18 +214,15 @@ class HostPipeline:
         for w in windows:
             load = store = None
             hyper = w.hyper
-            if w.source == "host_acc":  # the job takes it, the spare becomes the accumulator
+            zero_after = None
+            if w.source == "host_acc":
+                # The worker runs jobs in order: this window's adds are done before the job
+                # reads the accumulator, and the next window's run after the job zeroed it.
                 if w.grad.dtype == torch.float32:
                     grad = w.grad
                 else:  # a bf16 accumulator: widened piece by piece by the pool
                     grad, load = None, staged_load(w.grad.view(-1))
-                spare = self._staging.get(w.key)
-                if (spare is None or w.key not in self._host_accs
-                        or spare.shape != w.grad.shape or spare.dtype != w.grad.dtype):
-                    spare = state_empty(w.grad.shape, w.grad.dtype)  # never crosses
-                new_accs[w.key] = spare.zero_()
-                self._staging[w.key] = w.grad
-                self._host_accs.add(w.key)
+                zero_after = w.grad.view(-1)
             else:
                 src, zero_src = w.grad, w.source == "device_acc"
                 # A window sum is divided before it crosses; rounded when the param is not
@@ -252,10 +253,12 @@ class HostPipeline:
                 stored.append(w.key)
             elif w.outbox is not None:
                 store = outbox_store(w.key, w.master.view(-1))
+            if zero_after is not None:
+                store = zeroing(store, zero_after)
             io = PieceIO(load, store) if load or store else None
             tasks.append((w.master, grad, w.m, w.v, hyper) + ((io,) if io else ()))
         if not tasks:
-            return new_accs
+            return
         adamw = self._adamw
         queue = self.link.copy_queue(devices, self._timeout)
         copy_in = self.link.copy_in(stage)  # CUDA: queued now on the copy stream
@@ -284,17 +287,14 @@ class HostPipeline:
         if any(not zero_src for _, _, zero_src, _ in stage):
             # A param's own .grad: the caller may overwrite it once step() returns.
             self.wait_copy_in()
-        return new_accs
 
     def _reusable(self, key: Hashable, shape, dtype: torch.dtype) -> torch.Tensor:
         """The staging buffer of ``key`` (a link buffer: pinned where CUDA exists), reused
         across windows; reallocated only when a reselection changed its column count (or
-        the key's buffer was a spare host accumulator, which is pageable)."""
+        its dtype)."""
         buf = self._staging.get(key)
-        if (buf is None or key in self._host_accs or buf.shape != torch.Size(shape)
-                or buf.dtype != dtype):
+        if buf is None or buf.shape != torch.Size(shape) or buf.dtype != dtype:
             buf = self._staging[key] = host_empty(shape, dtype)
-            self._host_accs.discard(key)
         return buf
 
     def wait(self) -> None:
@@ -353,14 +353,12 @@ class HostPipeline:
 
     def host_buffers(self) -> list[tuple[torch.Tensor, bool]]:
         """Every host tensor this room holds besides the state: ``(tensor, crosses the
-        link)`` (a staging buffer the copy-in writes, an outbox arena; a spare host
-        accumulator does not cross). The workers' scratch is :meth:`scratch_bytes`."""
-        out = [(b, not self._is_host_acc(k)) for k, b in self._staging.items()]
+        link)``: the staging buffers the copy-in writes and the outbox arenas, all link
+        buffers. The workers' scratch is :meth:`scratch_bytes`."""
+        out = [(b, True) for b in self._staging.values()]
         return out + [(a, True) for a in self._outboxes.arenas()]
 
-    def _is_host_acc(self, key) -> bool:
-        return key in self._host_accs
-
-    def scratch_bytes(self) -> int:
-        """The pool workers' scratch (link buffers: a streamed piece is copied into them)."""
-        return self._adamw.scratch_bytes()
+    def scratch_bytes(self) -> tuple[int, int]:
+        """The pool workers' scratch: ``(link buffers, pageable)``: the pieces a streamed job
+        copies into them, and the fp32 copies of low-precision moment pieces."""
+        return self._adamw.scratch_bytes(), self._adamw.moment_scratch_bytes()
