@@ -131,7 +131,9 @@ def test_slow_copies_do_not_block_the_training_thread(slowed, monkeypatch):
     step() needs to wait for a copy on the host: each returns within 0.1 s once the first
     window is past (pinned buffers allocated), and the run is bit for bit the unslowed one."""
     cycles = SLEEP_CYCLES // 5
-    cfg = dict(topk_ratio=0.2, update_interval=2, select_interval=8, overlap=True,
+    # No reselection after the first (u = 1): it reads the picks back, a blocking copy that
+    # waits for the slowed apply queued before it, by design.
+    cfg = dict(topk_ratio=0.2, update_interval=2, select_interval=16, overlap=True,
                accumulate_on="host" if slowed == "host-accumulation" else "device")
 
     def sleep_on(link, device, direction):
@@ -143,7 +145,7 @@ def test_slow_copies_do_not_block_the_training_thread(slowed, monkeypatch):
         real_copy_in = Link.copy_in
 
         def copy_in(self, pairs):
-            for dev in {src.device for _, src, _ in pairs if src.is_cuda}:
+            for dev in {src.device for _, src, *_ in pairs if src.is_cuda}:
                 calls.append(dev)
                 sleep_on(self, dev, "d2h")
             return real_copy_in(self, pairs)
@@ -229,3 +231,21 @@ def test_reported_device_bytes_are_what_cuda_allocated(cfg):
                         == "host":
                     assert t.device.type == "cpu" and not t.is_pinned(), key
     assert abs(held - st["device_state_bytes"]) <= 2 * 2**20, (held, st["device_state_bytes"])
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_cuda_copy_in_mean_is_true_division(dst_dtype):
+    """On CUDA, dividing by a Python number multiplies by its reciprocal (1 ulp off the
+    quotient on a good share of elements); the copy-in must give the host's fp32 quotient,
+    rounded once, as the streamed path and the CPU run do."""
+    gen = torch.Generator().manual_seed(0)
+    total = torch.randn(1 << 16, generator=gen) * 3
+    for n in (3, 5, 7):
+        want = (total / n).to(dst_dtype)
+        dst = host_empty((1 << 16,), dst_dtype)
+        src = total.to("cuda")
+        copy_in = Link().copy_in([(dst, src, True, float(n))])
+        copy_in.wait_on_host(timeout=60.0)
+        assert torch.equal(dst, want), n
+        assert not src.any().item()

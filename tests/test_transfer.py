@@ -50,3 +50,27 @@ def test_cpu_queue_is_plain_and_counts_are_per_direction():
     link.count_h2d(5)
     link.to_device(torch.ones(3, dtype=torch.float32), "cpu", dtype=torch.bfloat16)
     assert (link.bytes_d2h, link.bytes_h2d) == (12, 5 + 3 * 2)
+
+
+@pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_copy_in_mean_is_fp32_division_rounded_once(sum_dtype, dst_dtype):
+    """What a window sum crosses as: the fp32 quotient sum / n (true division), rounded once
+    to the param's dtype, whatever the accumulator's dtype: a bf16 sum of an fp16 param is
+    widened first (80000 / 4 fits in fp16, 80000 does not). On CUDA the same
+    (tests/test_cuda_pipeline.py)."""
+    from zenflow_triton.transfer import CopyIn
+
+    gen = torch.Generator().manual_seed(0)
+    total = (torch.randn(4096, generator=gen) * 3).to(sum_dtype)
+    total[:4] = 80000.0
+    for n in (3, 4, 7):
+        want = (total.float() / n).to(dst_dtype)
+        dst = torch.empty(4096, dtype=dst_dtype)
+        src = total.clone()
+        copy_in = CopyIn(Link(), [(dst, src, True, float(n))])
+        copy_in.wait_on_host(timeout=5.0)
+        assert torch.equal(dst, want), n
+        assert torch.isfinite(dst).all()
+        assert not src.any()  # zeroed after its copy

@@ -518,15 +518,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         params' side: device-owned state, a device accumulator, index copies),
         ``host_state_bytes`` (host state, staging, outboxes, the workers' scratch, bounce
         buffers) and, of those, ``host_pinned_bytes``: the link buffers, pinned where CUDA
-        exists. Each storage counts once, whole."""
-        seen: set[tuple[str, int]] = set()
+        exists. Each storage counts once, whole, on the side that holds it first (on a
+        CPU-only run an index's "device" copy is the host index itself)."""
+        seen: set[int] = set()
         out = dict(device_state_bytes=0, host_state_bytes=0, host_pinned_bytes=0)
 
         def add(side: str, t, link_buffer: bool = False) -> None:
             if not isinstance(t, torch.Tensor):
                 return
             storage = t.untyped_storage()
-            key = (side, storage.data_ptr())
+            key = storage.data_ptr()
             if storage.nbytes() == 0 or key in seen:
                 return
             seen.add(key)

@@ -272,9 +272,13 @@ class CopyIn:
         it for that stream's next one)."""
         flat = src.reshape(-1)
         if divisor is not None and divisor != 1.0:
-            if flat.dtype != torch.float32 and flat.dtype != dtype:  # wider than the sum:
-                return flat.to(dtype).div_(divisor)                   # widen, then divide
-            flat.div_(divisor)  # fp32 math, rounded to the sum's dtype where it is narrower
+            # True division in fp32, as the host does: CUDA divides a tensor by a Python
+            # number as a multiplication by its reciprocal (1 ulp apart), by a tensor not.
+            d = (torch.full((), float(divisor), dtype=torch.float32, device=flat.device)
+                 if flat.is_cuda else float(divisor))
+            if flat.dtype not in (torch.float32, dtype):  # e.g. a bf16 sum, an fp16 param:
+                return flat.float().div_(d).to(dtype)      # fp32 mean, rounded once
+            flat.div_(d)  # fp32 math, rounded once where the sum is bf16 (and so is dtype)
         return flat if flat.dtype == dtype else flat.to(dtype)
 
     @property
