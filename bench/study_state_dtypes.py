@@ -130,7 +130,7 @@ def report(rows: list[dict]) -> str:
         lines.append(
             f"| {v} | "
             f"{', '.join(format(r['eval_loss'], '.4f') for r in mine)} | "
-            f"{', '.join(format(d, '+.4f') for d in deltas)} | "
+            f"{', '.join(format(d, '+.5f') for d in deltas)} | "
             f"{statistics.mean(r['accuracy'] for r in mine):.3f} |")
     lines.append(f"\nSeed-to-seed spread of the fp32 held-out loss: {spread:.4f} "
                  f"({len(base)} seeds).")
