@@ -38,6 +38,7 @@ from .kernels import (KernelOps, confirm_nonfinite, get_ops, nonfinite_flags,
                       triton_available)
 from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
                         new_accumulator, num_selected, select_columns, state_side, view2d)
+from .shard import RowShard
 from .transfer import Link, to_host_memory
 
 _SD_KEY = "zenflow"
@@ -71,12 +72,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             lr / betas / eps / weight_decay), as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: AdamW hyperparameters (decoupled weight decay).
         config: a :class:`ZenFlowConfig`; or give its fields as keywords (not both).
+        process_group: data parallelism (DDP: the gradients are averaged before ``step()``):
+            the ``torch.distributed`` group whose ranks share the host work, each keeping
+            and updating only its rows of every host half (``shard``); None: the default
+            group when torch.distributed is initialized, else a single process.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, config: ZenFlowConfig | None = None,
-                 **config_fields: Any) -> None:
+                 process_group: Any = None, **config_fields: Any) -> None:
         if config is not None and config_fields:
             raise TypeError("give either config=ZenFlowConfig(...) or its fields as keywords, "
                             f"not both (got config and {sorted(config_fields)})")
@@ -98,12 +103,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 if not p.is_floating_point():
                     raise TypeError(f"{self._param_name(p)} has dtype {p.dtype}; "
                                     "only floating-point params can be optimized")
+                if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ \
+                        == "DTensor":
+                    raise TypeError(
+                        f"{self._param_name(p)} is a DTensor (FSDP2's fully_shard or tensor "
+                        "parallelism); ZenFlowOptimizer supports replicated params (DDP) "
+                        "only: it shards the host work across ranks itself")
                 if classify(p, self.config) == MATRIX and not p.is_contiguous():
                     raise ValueError(f"{self._param_name(p)} is not contiguous; "
                                      "column-split params must be contiguous")
         self._backend = self._resolve_backend()
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
+        self._shard = RowShard(process_group, timeout=self.config.host_timeout)
         threads = self.config.host_threads or max(1, torch.get_num_threads())
         self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout,
                                      cores=self.config.host_cores)
@@ -275,7 +287,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor) -> None:
         if classify(p, self.config) == MATRIX:
             self.state[p] = init_matrix_state(p, self.link, self.config.accumulate_on,
-                                              self.config.host_moment_dtype)
+                                              self.config.host_moment_dtype,
+                                              self._shard.rows(p.shape[0]))
             return
         st = {"kind": SMALL, "step": 0,
               "exp_avg": torch.zeros_like(p, dtype=torch.float32),
@@ -315,7 +328,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 off += n
         self._counters["columns_migrated"] += migrate_many(
             moves, ops=self.ops, link=self.link, accumulate_on=self.config.accumulate_on,
-            host_idx_on_device=self._host_idx_dev)
+            host_idx_on_device=self._host_idx_dev, shard=self._shard)
 
     # ------------------------------------------------------------------ device half
     def _device_half(self, work, single_step_window: bool) -> dict:
@@ -350,13 +363,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     direct[p] = self._host_columns(g2d, host_idx)
                 else:
                     if st["acc"] is None:  # the first window that accumulates makes it
-                        st["acc"] = new_accumulator(g2d.shape[0], host_idx.numel(),
+                        # (on the host: this rank's rows only; on the device: all rows)
+                        rows = g2d.shape[0] if acc_on_device else st["host_master"].shape[0]
+                        st["acc"] = new_accumulator(rows, host_idx.numel(),
                                                     p.device, self.config.accumulate_on,
                                                     self.config.accumulator_torch_dtype)
                     if acc_on_device:
                         acc = st["acc"]
-                    else:  # the columns cross the link every step, in the grad's dtype
-                        to_host.append((st["acc"], self._host_columns(g2d, host_idx)))
+                    else:  # this rank's rows cross the link every step, in the grad's dtype
+                        r0, r1 = self._shard.rows(g2d.shape[0])
+                        to_host.append((st["acc"], self._host_columns(g2d[r0:r1], host_idx)))
                 st["acc_count"] += 1
             if has_dev or acc is not None:
                 matrices.append((p, g, st, acc, host_idx))
@@ -424,7 +440,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 else:
                     source, grad = "host_acc", st["acc"]
                 full_host = st["host_idx"].numel() == view2d(p).shape[1]
-                store_into = p.detach().view(-1) if apply_now and full_host else None
+                sharded = self._shard.sharded  # then every rank's rows meet at the apply
+                store_into = (p.detach().view(-1) if apply_now and full_host and not sharded
+                              else None)
                 needs_box = store_into is None and (p.device.type == "cuda"
                                                     or p.dtype != torch.float32)
                 st["acc_count"] = 0
@@ -434,17 +452,26 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
                                   eps=group["eps"], weight_decay=group["weight_decay"],
                                   step=st["host_step"], grad_divisor=float(count))
+                rows = (self._shard.rows(view2d(p).shape[0])
+                        if sharded and source != "host_acc" else None)
                 windows.append(Window(p, st["host_master"], st["host_m"], st["host_v"], hyper,
                                       source, grad, store_into,
-                                      p.detach() if needs_box else None))
+                                      p.detach() if needs_box else None, rows))
         if not windows:
             return
         self._counters["host_updates"] += 1
         self._pipeline.launch(windows, apply_now, f"host AdamW of step {self._global_step}")
 
     def _drain(self) -> None:
-        """Wait for host work in flight, then write every pending host result into its param."""
-        self._pipeline.wait()
+        """Wait for host work in flight, then write every pending host result into its param.
+        Under data parallelism every rank does this at the same step: the ranks agree that
+        their jobs succeeded, then gather each other's rows of the results."""
+        failure = None
+        try:
+            self._pipeline.wait()
+        except BaseException as e:  # every rank must hear of it before the gather
+            failure = e
+        self._shard.agree(failure, "the host AdamW job")
         stored, boxed_keys = self._pipeline.take_results()
         for p in stored:  # the job wrote these params itself
             self.state[p]["host_pending"] = False
@@ -465,6 +492,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             else:  # a result loaded from a checkpoint: no outbox yet (once, blocking)
                 srcs.append(self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
             st["host_pending"] = False
+        if self._shard.sharded:  # this rank's rows of each result -> all rows, on every rank
+            by_kind: dict[tuple, list[int]] = {}
+            for i, t in enumerate(srcs):
+                by_kind.setdefault((t.device, t.dtype), []).append(i)
+            for members in by_kind.values():
+                full = self._shard.gather_rows([srcs[i] for i in members],
+                                               [view2d(pending[i][0]).shape[0] for i in members])
+                for i, t in zip(members, full):
+                    srcs[i] = t
         self.ops.scatter_columns_multi([view2d(p.detach()) for p, _ in pending],
                                        [self._host_idx_on_device(p, st) for p, st in pending],
                                        srcs)
@@ -506,6 +542,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 elif classify(p, self.config) == SMALL:
                     dev_elems += p.numel()
         return dict(steps=self._global_step, backend=self._backend,
+                    rank=self._shard.rank, world_size=self._shard.world,
                     bytes_device_to_host=self.link.bytes_d2h,
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=dev_elems / total if total else 0.0,
@@ -601,12 +638,37 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             self._pipeline.wait_all()
         sd = super().state_dict()
         sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
+        if self._shard.sharded:  # the full form: every rank's rows of every host half
+            self._gather_host_halves(sd["state"])
         sd[_SD_KEY] = {"version": _SD_VERSION, "global_step": self._global_step,
                        "config": self.config.to_dict(), "backend": self._backend,
                        "counters": self._all_counters(),
                        "bytes_device_to_host": self.link.bytes_d2h,
                        "bytes_host_to_device": self.link.bytes_h2d}
         return sd
+
+    def _gather_host_halves(self, state: dict) -> None:
+        """In ``state`` (a state_dict's, keyed by param index), replace each host half that
+        holds this rank's rows by all the rows, gathered from every rank (one all-gather per
+        dtype; every rank gets the full form, which loads into any world size)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        acc_on_host = self.config.accumulate_on == "host"
+        items = []
+        for i, st in sorted(state.items()):
+            if st.get("kind") != MATRIX:
+                continue
+            for key in ("host_master", "host_m", "host_v") + (("acc",) if acc_on_host else ()):
+                if isinstance(st.get(key), torch.Tensor):
+                    items.append((i, key, st[key], view2d(params[i]).shape[0]))
+        by_dtype: dict[torch.dtype, list] = {}
+        for item in items:
+            by_dtype.setdefault(item[2].dtype, []).append(item)
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            group = by_dtype[dtype]
+            full = self._shard.gather_rows([t.to(self._shard.device) for _, _, t, _ in group],
+                                           [rows for *_, rows in group])
+            for (i, key, _, _), t in zip(group, full):
+                state[i][key] = t.cpu()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; device state goes to each param's device, host state to
@@ -669,6 +731,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                      else self.config.accumulator_torch_dtype if key == "acc"
                      else torch.float32)
             if key.startswith("host_") or (key == "acc" and acc_on_host):
+                if kind == MATRIX and key != "host_idx":  # this rank's rows of a full form
+                    r0, r1 = self._shard.rows(view2d(p).shape[0])
+                    if value.shape[0] == view2d(p).shape[0]:
+                        value = value[r0:r1]
+                    elif value.shape[0] != r1 - r0:
+                        raise ValueError(
+                            f"state {key!r} of {self._param_name(p)} has {value.shape[0]} "
+                            f"rows; expected all {view2d(p).shape[0]} (a full state_dict) "
+                            f"or this rank's {r1 - r0}")
                 st[key] = to_host_memory(value, dtype)  # straight to host memory
             else:
                 st[key] = value.to(device=p.device, dtype=dtype, copy=True)

@@ -70,11 +70,14 @@ def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[f
 
 
 def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str,
-                      moment_dtype: torch.dtype = torch.float32) -> dict:
+                      moment_dtype: torch.dtype = torch.float32,
+                      host_rows: tuple[int, int] | None = None) -> dict:
     """Every column host-owned, zero moments (host ones in ``moment_dtype``), fp32 master
-    copied from the param."""
+    copied from the param. ``host_rows``: the rows ``[r0, r1)`` of the host half this rank
+    keeps (data parallelism, see ``shard``); all of them by default."""
     rows, cols = shape2d(p)
     dev = p.device
+    r0, r1 = host_rows if host_rows is not None else (0, rows)
     return {
         "kind": MATRIX,
         "selected": False,
@@ -85,10 +88,10 @@ def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str,
            if p.dtype != torch.float32 else {}),
         "device_step": 0,
         "host_idx": torch.arange(cols, dtype=torch.long),
-        "host_master": link.to_host(view2d(p.detach()), dtype=torch.float32,
+        "host_master": link.to_host(view2d(p.detach())[r0:r1], dtype=torch.float32,
                                     pin=False).contiguous(),
-        "host_m": state_zeros((rows, cols), moment_dtype),
-        "host_v": state_zeros((rows, cols), moment_dtype),
+        "host_m": state_zeros((r1 - r0, cols), moment_dtype),
+        "host_v": state_zeros((r1 - r0, cols), moment_dtype),
         "host_step": 0,
         "acc": None,  # made by the first step that accumulates (new_accumulator)
         "acc_count": 0,
@@ -139,7 +142,7 @@ class Move:
 
 
 def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link, accumulate_on: str,
-                 host_idx_on_device: dict | None = None) -> int:
+                 host_idx_on_device: dict | None = None, shard=None) -> int:
     """Make each move's ``new_idx`` the device-owned columns of its param, carrying the fp32
     master and moments of the columns that change owner (rescaled so their bias-corrected
     values are unchanged under the destination's step count); return how many columns moved.
@@ -153,6 +156,10 @@ def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link, accumulat
     entering columns in one non-blocking copy each. ``host_idx_on_device``, when given, gets
     ``{p: (st["host_idx"], that index on p's device)}`` for every param whose split changed
     (uploaded with the other tables, so the next accumulation does not copy it itself).
+
+    ``shard`` (a ``shard.RowShard``, data parallelism): this rank's host state holds only its
+    rows; the columns leaving the device keep this rank's rows, and those entering it are
+    gathered from every rank's rows (one all-gather per device).
     """
     moved = 0
     plans = []
@@ -173,7 +180,8 @@ def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link, accumulat
     for plan in plans:
         by_device.setdefault(plan["p"].device, []).append(plan)
     for dev, group in by_device.items():
-        moved += _migrate_on(dev, group, ops=ops, link=link, accumulate_on=accumulate_on)
+        moved += _migrate_on(dev, group, ops=ops, link=link, accumulate_on=accumulate_on,
+                             shard=shard)
         if host_idx_on_device is not None:
             for plan in group:
                 host_idx_on_device[plan["p"]] = (plan["st"]["host_idx"], plan["new_host_d"])
@@ -224,7 +232,8 @@ def _plan(mv: Move, rows: int, cols: int, owner_old: np.ndarray, owner_new: np.n
 
 
 def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
-                accumulate_on: str) -> int:
+                accumulate_on: str, shard=None) -> int:
+    sharded = shard is not None and shard.sharded
     # Index tables for the device, in one non-blocking copy: per param new_dev, leave_pos,
     # dev_pos, enter, new_host.
     keys = ("new_dev", "leave_pos", "dev_pos", "enter", "new_host")
@@ -253,6 +262,9 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
         n = plan["rows"] * plan["leave"].size
         got = [left[off + j * n: off + (j + 1) * n].view(plan["rows"], -1) for j in range(3)]
         off += 3 * n
+        if sharded:  # this rank keeps its rows of the columns that leave the device
+            r0, r1 = shard.rows(plan["rows"])
+            got = [g[r0:r1] for g in got]
         got[1].mul_(plan["to_host"][0])
         got[2].mul_(plan["to_host"][1])
         plan["moved_host"] = got
@@ -267,9 +279,18 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
     entered = link.to_device_async(pinned(torch.cat(host_parts)), dev)
     off = 0
     for plan in plans:
-        n = plan["rows"] * plan["enter"].size
-        got = [entered[off + j * n: off + (j + 1) * n].view(plan["rows"], -1) for j in range(3)]
+        own = plan["st"]["host_master"].shape[0]  # this rank's rows (all of them unsharded)
+        n = own * plan["enter"].size
+        got = [entered[off + j * n: off + (j + 1) * n].view(own, -1) for j in range(3)]
         off += 3 * n
+        plan["moved_dev"] = got
+    if sharded:  # every rank's rows of the entering columns, on every rank
+        parts = [t for plan in plans for t in plan["moved_dev"]]
+        full = shard.gather_rows(parts, [plan["rows"] for plan in plans for _ in range(3)])
+        for i, plan in enumerate(plans):
+            plan["moved_dev"] = full[3 * i:3 * i + 3]
+    for plan in plans:
+        got = plan["moved_dev"]
         if plan["to_dev"] != (1.0, 1.0):
             got[1] = got[1] * plan["to_dev"][0]
             got[2] = got[2] * plan["to_dev"][1]

@@ -70,6 +70,9 @@ class Window:
     grad: torch.Tensor
     store_into: torch.Tensor | None = None
     outbox: torch.Tensor | None = None
+    rows: tuple[int, int] | None = None
+    """Data parallelism: the rows ``[r0, r1)`` of a device source ``grad`` this rank's host
+    half keeps (it copies only those; a device accumulator is zeroed whole)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -161,7 +164,8 @@ class HostPipeline:
         the apply is one plain copy per arena, which does not block the training thread."""
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
-        stage: list[tuple] = []  # (host dst, src, zero src, divisor or None)
+        stage: list[tuple] = []  # (host dst, src, zero, divisor or None): see CopyIn
+        zero_at_end: list[torch.Tensor] = []  # streamed sources to zero whole after the job
         stored: list[Hashable] = []
         outboxes: dict[Hashable, torch.Tensor] = {}  # planned once the loop is done
         box_items = []
@@ -224,7 +228,11 @@ class HostPipeline:
                     grad, load = None, staged_load(w.grad.view(-1))
                 zero_after = w.grad.view(-1)
             else:
-                src, zero_src = w.grad, w.source == "device_acc"
+                zero_src = w.source == "device_acc"
+                src = w.grad if w.rows is None else w.grad[w.rows[0]:w.rows[1]]
+                # A device accumulator is zeroed whole once copied: this rank's rows and the
+                # rows other ranks copy (data parallelism) alike.
+                zero_what = (w.grad if w.rows is not None else True) if zero_src else False
                 # A window sum is divided before it crosses; rounded when the param is not
                 # fp32 (so the host's gradient is the mean in the param's dtype).
                 divisor = hyper.grad_divisor if zero_src else None
@@ -232,15 +240,17 @@ class HostPipeline:
                 if apply_now:  # streamed: never races the job
                     self.link.count_d2h(src.numel() * src.element_size())
                     rounds = divisor is not None and w.dtype != torch.float32
-                    grad, load = None, piece_load(src.reshape(-1), zero_src,
+                    grad, load = None, piece_load(src.reshape(-1), zero_what is True,
                                                   divisor if rounds else None, w.dtype)
+                    if zero_what is not True and zero_what is not False:
+                        zero_at_end.append(zero_what)  # rows this rank does not load
                     if rounds:
                         hyper = replace(hyper, grad_divisor=1.0)
                 else:  # staged in the param's dtype: its outbox, or a buffer of its own
                     staged = outboxes.get(w.key)
                     if staged is None:
                         staged = self._reusable(w.key, src.shape, w.dtype)
-                    stage.append((staged, src, zero_src, divisor))
+                    stage.append((staged, src, zero_what, divisor))
                     hyper = replace(hyper, grad_divisor=1.0)
                     if staged.dtype == torch.float32:
                         grad = staged.view(w.master.shape)
@@ -272,6 +282,8 @@ class HostPipeline:
                 copied_in.set()
             try:
                 adamw.update_many(tasks)  # every param of the window in one pool dispatch
+                for t in zero_at_end:
+                    queue.zero_(t)
                 queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
             except BaseException:
                 try:  # a failed job still finishes what it queued
@@ -284,7 +296,7 @@ class HostPipeline:
         self._copy_in = (copy_in, copied_in)
         self._stored = stored
         self._job_outbox = outboxes
-        if any(not zero_src for _, _, zero_src, _ in stage):
+        if any(zero is False for _, _, zero, _ in stage):
             # A param's own .grad: the caller may overwrite it once step() returns.
             self.wait_copy_in()
 

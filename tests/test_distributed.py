@@ -1,0 +1,221 @@
+"""Data parallelism: DDP on 2 CPU ranks (gloo), spawned by the tests, the host work sharded
+by rows (zenflow_triton/shard.py).
+
+Every rank must end with the same params and the same column selection, and those must
+follow a single process on the concatenated batch to fp32 rounding (DDP's all-reduce sums
+in another order); each rank keeps half the rows of every host half; a full state_dict
+saved mid-window resumes bit for bit; a rank whose host worker fails makes every rank fail
+with a clear error, within ``host_timeout``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zenflow_triton import ZenFlowOptimizer
+
+from .helpers import assert_trajectories_close
+
+WORLD = 2
+STEPS = 20
+LR = 1e-2
+CFG = dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True,
+           min_offload_numel=64, host_threads=1)
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 16))
+
+
+def batches(steps: int = STEPS):
+    """Inputs whose columns have scales far apart, so the weights' column scores (and the
+    selections) are well separated: an all-reduced mean cannot flip a choice."""
+    g = torch.Generator().manual_seed(1)
+    scale = torch.logspace(0, 1.5, 24)[torch.randperm(24, generator=g)]
+    return [(torch.randn(16, 24, generator=g) * scale, torch.randn(16, 16, generator=g))
+            for _ in range(steps)]
+
+
+def train(model, opt, data, rank=0, world=1, start=0, stop=None):
+    for x, y in data[start:stop]:
+        n = x.shape[0] // world
+        xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(xs), ys).backward()
+        opt.step()
+
+
+def _worker(rank: int, store: str, scenario: str, out: str) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    result = {}
+    try:
+        result = SCENARIOS[scenario](rank)
+    except BaseException as e:
+        result = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+    finally:
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _train_scenario(rank: int) -> dict:
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    train(ddp, opt, batches(), rank, WORLD)
+    opt.synchronize()
+    st = opt.stats()
+    out = dict(params=[p.detach().clone() for p in model.parameters()],
+               device_idx=[s["device_idx"].clone() for s in opt.state.values()
+                           if "device_idx" in s],
+               host_rows=[s["host_master"].shape[0] for s in opt.state.values()
+                          if "host_master" in s],
+               world=st["world_size"], rank=st["rank"], host_updates=st["host_updates"],
+               migrated=st["columns_migrated"])
+    opt.close()
+    return out
+
+
+def _resume_scenario(rank: int) -> dict:
+    import io
+
+    cfg = dict(CFG, update_interval=4, select_interval=8)
+    data = batches(12)
+
+    def run(resume: bool):
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
+        full_rows = None
+        if resume:
+            train(ddp, opt, data, rank, WORLD, 0, 6)  # u = 6: mid-window, a job pending
+            buf = io.BytesIO()
+            sd = opt.state_dict()  # collective: every rank calls it
+            full_rows = [s["host_master"].shape[0] for s in sd["state"].values()
+                         if "host_master" in s]
+            torch.save(sd, buf)
+            opt.close()
+            buf.seek(0)
+            opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
+            opt.load_state_dict(torch.load(buf, weights_only=True))
+            train(ddp, opt, data, rank, WORLD, 6, None)
+        else:
+            train(ddp, opt, data, rank, WORLD)
+        opt.synchronize()
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()], full_rows
+
+    want, _ = run(False)
+    got, full_rows = run(True)
+    return dict(want=want, got=got, full_rows=full_rows)
+
+
+def _failure_scenario(rank: int) -> dict:
+    from zenflow_triton.host import HostAdamW
+
+    if rank == 1:
+        real = HostAdamW.update_many
+        calls = []
+
+        def broken(self, tasks):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ArithmeticError("injected host failure on rank 1")
+            return real(self, tasks)
+        HostAdamW.update_many = broken
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **dict(CFG, host_timeout=5.0))
+    t0 = time.monotonic()
+    try:
+        train(ddp, opt, batches(), rank, WORLD)
+        opt.synchronize()
+        return dict(error=None, seconds=time.monotonic() - t0)
+    except Exception as e:
+        return dict(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+    finally:
+        try:
+            opt.close()
+        except Exception:
+            pass
+
+
+SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
+             "failure": _failure_scenario}
+
+
+def spawn(scenario: str, tmp_path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), scenario,
+                                               str(tmp_path)))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            pytest.fail(f"scenario {scenario}: a rank did not finish within 240 s")
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    if scenario != "failure":
+        for r, res in enumerate(results):
+            assert "error" not in res, f"rank {r}: {res.get('trace', res)}"
+    return results
+
+
+def test_ranks_agree_and_follow_one_process_on_the_whole_batch(tmp_path):
+    ranks = spawn("train", tmp_path)
+    a, b = ranks
+    assert (a["rank"], b["rank"], a["world"]) == (0, 1, WORLD)
+    assert a["host_updates"] > 5 and a["migrated"] > 0
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)  # every rank writes the same rows into the same params
+    for x, y in zip(a["device_idx"], b["device_idx"]):
+        assert torch.equal(x, y)
+    # Each rank keeps half the rows of every host half (32 and 16 rows).
+    assert a["host_rows"] == b["host_rows"] == [16, 8]
+
+    model = make_model()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **CFG) as opt:
+        train(model, opt, batches())
+        opt.synchronize()
+        single_idx = [s["device_idx"].clone() for s in opt.state.values()
+                      if "device_idx" in s]
+        assert [s["host_master"].shape[0] for s in opt.state.values()
+                if "host_master" in s] == [32, 16]
+    for x, y in zip(a["device_idx"], single_idx):
+        assert torch.equal(x, y)  # the same selections
+    assert_trajectories_close(a["params"], [p.detach() for p in model.parameters()],
+                              STEPS, LR * CFG["update_interval"])
+
+
+def test_full_state_dict_resumes_mid_window_bit_for_bit(tmp_path):
+    for r, res in enumerate(spawn("resume", tmp_path)):
+        assert res["full_rows"] == [32, 16], r  # the full form: every rank's rows
+        for x, y in zip(res["got"], res["want"]):
+            assert torch.equal(x, y), r
+
+
+def test_a_failing_rank_fails_every_rank_without_hanging(tmp_path):
+    a, b = spawn("failure", tmp_path)
+    assert b["error"] and "injected host failure on rank 1" in b["error"], b
+    assert a["error"] and "rank(s) [1]" in a["error"], a
+    assert a["seconds"] < 60 and b["seconds"] < 60, (a, b)

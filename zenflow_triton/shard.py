@@ -1,0 +1,122 @@
+"""Data parallelism: which rows of each host half this rank owns, and the collectives.
+
+Under data parallelism (DDP: every rank holds the same params and, after the all-reduce, the
+same gradients) every rank makes the same selection and the same device updates; the host
+half is sharded **by rows**: of a matrix param's host-owned part ``[rows, n]``, rank ``r``
+keeps the fp32 master and moments of rows ``[r * c, (r + 1) * c)``, ``c = ceil(rows /
+world)`` (clipped), runs the host AdamW on them, and at the apply point every rank's rows are
+gathered into every rank's param. Rows, not columns: a selection moves whole columns, so a
+rank's rows of any column are its own whatever the selection, and migration needs no
+re-sharding: a column leaving the device is sliced locally, one entering it is gathered.
+
+The engine is ``torch.distributed``; collectives run on the params' device (NCCL tensors on
+GPUs, CPU tensors with gloo). A single process is a world of one: no collective is made.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+
+
+class ShardError(RuntimeError):
+    """Another rank failed (its host worker raised, or it timed out)."""
+
+
+class RowShard:
+    """This rank's rows of every host half, and the collectives that join them."""
+
+    def __init__(self, group=None, timeout: float = 600.0) -> None:
+        """``group``: a ``torch.distributed`` process group, or None: the default group when
+        torch.distributed is initialized with more than one rank, else a world of one."""
+        import torch.distributed as dist
+
+        self.group = group
+        self.timeout = float(timeout)
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.rank, self.world = 0, 1
+            self.device = torch.device("cpu")
+        else:
+            self.rank = dist.get_rank(group)
+            self.world = dist.get_world_size(group)
+            # Where this group's collectives run: NCCL needs CUDA tensors, gloo takes CPU ones.
+            self.device = (torch.device("cuda", torch.cuda.current_device())
+                           if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """This rank's rows ``[r0, r1)`` of a host half with ``total`` rows (may be empty)."""
+        chunk = -(-total // self.world)
+        r0 = min(total, self.rank * chunk)
+        return r0, min(total, r0 + chunk)
+
+    def chunk(self, total: int) -> int:
+        return -(-total // self.world)
+
+    # ------------------------------------------------------------------ collectives
+    def gather_rows(self, parts: Sequence[torch.Tensor], totals: Sequence[int]
+                    ) -> list[torch.Tensor]:
+        """Every rank gives its rows ``parts[i]`` (``[r1 - r0, n_i]``, one dtype and device
+        for all); each gets back the full ``[totals[i], n_i]``: one all-gather for all parts
+        (each rank's rows padded to ``chunk``)."""
+        if not self.sharded:
+            return list(parts)
+        import torch.distributed as dist
+
+        dtype, device = parts[0].dtype, parts[0].device
+        widths = [p.shape[1] for p in parts]
+        sizes = [self.chunk(t) * w for t, w in zip(totals, widths)]
+        mine = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        off = 0
+        for part, size in zip(parts, sizes):
+            mine[off:off + part.numel()].copy_(part.reshape(-1))
+            off += size
+        every = torch.empty(self.world * mine.numel(), dtype=dtype, device=device)
+        self._wait(dist.all_gather_into_tensor(every, mine, group=self.group, async_op=True),
+                   "an all-gather of the host halves' rows")
+        every = every.view(self.world, -1)
+        out = []
+        off = 0
+        for total, width, size in zip(totals, widths, sizes):
+            chunk = self.chunk(total)
+            rows = every[:, off:off + size].reshape(self.world * chunk, width)[:total]
+            out.append(rows)
+            off += size
+        return out
+
+    def agree(self, failure: BaseException | None, what: str) -> None:
+        """Every rank says whether ``what`` failed on it; if any did, every rank raises (its
+        own error where it failed, a :class:`ShardError` naming the failed ranks elsewhere).
+        Bounded by ``timeout``: a rank that never arrives makes the others raise."""
+        if not self.sharded:
+            if failure is not None:
+                raise failure
+            return
+        import torch.distributed as dist
+
+        flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
+        flags[self.rank] = 1 if failure is not None else 0
+        try:
+            self._wait(dist.all_reduce(flags, group=self.group, async_op=True), what)
+        except ShardError as e:
+            raise e from failure
+        if failure is not None:
+            raise failure
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+        if failed:
+            raise ShardError(f"{what} failed on rank(s) {failed}; this rank cannot go on "
+                             "(load the last checkpoint into a new optimizer on every rank)")
+
+    def _wait(self, work, what: str) -> None:
+        """Wait for an async collective, bounded by ``timeout``: a rank that never joins it
+        (dead, or stuck) makes this one raise instead of hang."""
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise ShardError(f"{what}: the other ranks did not join within {self.timeout} s "
+                             f"({type(e).__name__}: {e})") from e
