@@ -219,3 +219,24 @@ def test_a_failing_rank_fails_every_rank_without_hanging(tmp_path):
     assert b["error"] and "injected host failure on rank 1" in b["error"], b
     assert a["error"] and "rank(s) [1]" in a["error"], a
     assert a["seconds"] < 60 and b["seconds"] < 60, (a, b)
+
+
+def test_the_ddp_example_runs_under_torchrun():
+    """examples/train_ddp.py, as the README shows it, with 2 gloo ranks (torchrun
+    --standalone): it trains, prints every rank's host memory and checks that every rank
+    holds the same params (exit status 1 if not)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK",
+                                                                      "WORLD_SIZE"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", "examples/train_ddp.py", "--steps", "12"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "world 2: params identical on every rank: True" in out, out[-3000:]
+    assert "rank 1: host state" in out
