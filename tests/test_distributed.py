@@ -41,10 +41,11 @@ def make_model() -> torch.nn.Module:
 
 def batches(steps: int = STEPS):
     """Inputs whose columns have scales far apart, so the weights' column scores (and the
-    selections) are well separated: an all-reduced mean cannot flip a choice."""
+    selections) are well separated: an all-reduced mean cannot flip a choice. 24 samples a
+    batch: they split evenly over 2 and over 3 ranks."""
     g = torch.Generator().manual_seed(1)
     scale = torch.logspace(0, 1.5, 24)[torch.randperm(24, generator=g)]
-    return [(torch.randn(16, 24, generator=g) * scale, torch.randn(16, 16, generator=g))
+    return [(torch.randn(24, 24, generator=g) * scale, torch.randn(24, 16, generator=g))
             for _ in range(steps)]
 
 
@@ -57,11 +58,13 @@ def train(model, opt, data, rank=0, world=1, start=0, stop=None):
         opt.step()
 
 
-def _worker(rank: int, store: str, scenario: str, out: str) -> None:
+def _worker(rank: int, world: int, store: str, scenario: str, out: str) -> None:
+    global WORLD
+    WORLD = world  # the scenarios read it
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=WORLD)
+                            world_size=world)
     result = {}
     try:
         result = SCENARIOS[scenario](rank)
@@ -161,11 +164,11 @@ SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
              "failure": _failure_scenario}
 
 
-def spawn(scenario: str, tmp_path) -> list[dict]:
+def spawn(scenario: str, tmp_path, world: int = WORLD) -> list[dict]:
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), scenario,
+    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), scenario,
                                                str(tmp_path)))
-             for r in range(WORLD)]
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -174,24 +177,32 @@ def spawn(scenario: str, tmp_path) -> list[dict]:
         if p.is_alive():
             p.kill()
             pytest.fail(f"scenario {scenario}: a rank did not finish within 240 s")
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     if scenario != "failure":
         for r, res in enumerate(results):
             assert "error" not in res, f"rank {r}: {res.get('trace', res)}"
     return results
 
 
-def test_ranks_agree_and_follow_one_process_on_the_whole_batch(tmp_path):
-    ranks = spawn("train", tmp_path)
-    a, b = ranks
-    assert (a["rank"], b["rank"], a["world"]) == (0, 1, WORLD)
+@pytest.mark.parametrize("world", [
+    2, pytest.param(3, marks=pytest.mark.skipif(
+        os.environ.get("ZENFLOW_SLOW") != "1", reason="3 ranks: set ZENFLOW_SLOW=1"))])
+def test_ranks_agree_and_follow_one_process_on_the_whole_batch(tmp_path, world):
+    ranks = spawn("train", tmp_path, world)
+    a = ranks[0]
+    assert [r["rank"] for r in ranks] == list(range(world)) and a["world"] == world
     assert a["host_updates"] > 5 and a["migrated"] > 0
-    for x, y in zip(a["params"], b["params"]):
-        assert torch.equal(x, y)  # every rank writes the same rows into the same params
-    for x, y in zip(a["device_idx"], b["device_idx"]):
-        assert torch.equal(x, y)
-    # Each rank keeps half the rows of every host half (32 and 16 rows).
-    assert a["host_rows"] == b["host_rows"] == [16, 8]
+    for b in ranks[1:]:
+        for x, y in zip(a["params"], b["params"]):
+            assert torch.equal(x, y)  # every rank writes the same rows into the same params
+        for x, y in zip(a["device_idx"], b["device_idx"]):
+            assert torch.equal(x, y)
+    # Each rank keeps its rows of every host half (32 and 16 rows): ceil(rows / world)
+    # each, the last rank the rest.
+    for r, res in enumerate(ranks):
+        assert res["host_rows"] == [min(32, (r + 1) * -(-32 // world)) - min(32, r * -(-32 // world)),
+                                    min(16, (r + 1) * -(-16 // world)) - min(16, r * -(-16 // world))]
+    assert [sum(res["host_rows"][i] for res in ranks) for i in range(2)] == [32, 16]
 
     model = make_model()
     with ZenFlowOptimizer(model.parameters(), lr=LR, **CFG) as opt:

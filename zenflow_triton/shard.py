@@ -77,7 +77,9 @@ class RowShard:
             mine[off:off + part.numel()].copy_(part.reshape(-1))
             off += size
         every = torch.empty(self.world * mine.numel(), dtype=dtype, device=device)
-        self._wait(dist.all_gather_into_tensor(every, mine, group=self.group, async_op=True),
+        # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.13).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._wait(gather(every, mine, group=self.group, async_op=True),
                    "an all-gather of the host halves' rows")
         every = every.view(self.world, -1)
         out = []
