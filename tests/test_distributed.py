@@ -59,8 +59,8 @@ def train(model, opt, data, rank=0, world=1, start=0, stop=None):
 
 
 def _worker(rank: int, world: int, store: str, scenario: str, out: str) -> None:
-    global WORLD
-    WORLD = world  # the scenarios read it
+    global WORLD, OUT
+    WORLD, OUT = world, out  # the scenarios read them
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
@@ -160,8 +160,40 @@ def _failure_scenario(rank: int) -> dict:
             pass
 
 
+def _dcp_scenario(rank: int) -> dict:
+    """save_sharded mid-window (each rank writes its rows), load_sharded into new
+    optimizers, go on: bit for bit the uninterrupted run. Also returns the full form at the
+    save point, for a single process to load the same checkpoint against."""
+    cfg = dict(CFG, update_interval=4, select_interval=8)
+    data = batches(12)
+    path = os.path.join(OUT, "dcp")
+
+    def run(resume: bool):
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
+        full = None
+        if resume:
+            train(ddp, opt, data, rank, WORLD, 0, 6)
+            opt.save_sharded(path)
+            full = opt.state_dict()
+            opt.close()
+            opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
+            opt.load_sharded(path)
+            train(ddp, opt, data, rank, WORLD, 6, None)
+        else:
+            train(ddp, opt, data, rank, WORLD)
+        opt.synchronize()
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()], full
+
+    want, _ = run(False)
+    got, full = run(True)
+    return dict(want=want, got=got, full=full, path=path)
+
+
 SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
-             "failure": _failure_scenario}
+             "failure": _failure_scenario, "dcp": _dcp_scenario}
 
 
 def spawn(scenario: str, tmp_path, world: int = WORLD) -> list[dict]:
@@ -223,6 +255,31 @@ def test_full_state_dict_resumes_mid_window_bit_for_bit(tmp_path):
         assert res["full_rows"] == [32, 16], r  # the full form: every rank's rows
         for x, y in zip(res["got"], res["want"]):
             assert torch.equal(x, y), r
+
+
+def test_sharded_checkpoint_resumes_and_loads_into_one_process(tmp_path):
+    """save_sharded/load_sharded (torch.distributed.checkpoint): each rank writes its own
+    rows; resuming on 2 ranks is bit for bit the uninterrupted run; a single process loads
+    the same checkpoint (resharded by DCP) into exactly the full state."""
+    ranks = spawn("dcp", tmp_path)
+    for r, res in enumerate(ranks):
+        for x, y in zip(res["got"], res["want"]):
+            assert torch.equal(x, y), r
+    files = sorted(f for f in os.listdir(ranks[0]["path"]) if f.endswith(".distcp"))
+    assert len(files) == WORLD, files  # one file per rank: no rank wrote it all
+    full = ranks[0]["full"]
+    model = make_model()
+    with ZenFlowOptimizer(model.parameters(), lr=LR,
+                          **dict(CFG, update_interval=4, select_interval=8)) as opt:
+        opt.load_sharded(ranks[0]["path"])
+        mine = opt.state_dict()
+    assert mine["zenflow"]["global_step"] == full["zenflow"]["global_step"] == 6
+    for i, st in full["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(mine["state"][i][key].cpu(), value.cpu()), (i, key)
+            else:
+                assert mine["state"][i][key] == value, (i, key)
 
 
 def test_a_failing_rank_fails_every_rank_without_hanging(tmp_path):

@@ -631,14 +631,31 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Tensors and primitives only. Host work in flight is finished first and saved as
-        pending (``host_pending``), to be applied at the step it would have been anyway."""
+        pending (``host_pending``), to be applied at the step it would have been anyway.
+        Under data parallelism: collective, and the full form (every rank's rows of every
+        host half, gathered); :meth:`save_sharded` writes each rank's rows instead."""
+        return self._state_dict(gather=True)
+
+    def save_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
+        """Save through ``torch.distributed.checkpoint``, each rank writing only its rows of
+        the host halves (collective); :meth:`load_sharded` reads it into any world size.
+        See ``zenflow_triton.checkpoint``."""
+        from .checkpoint import save_sharded
+        save_sharded(self, checkpoint_id, **dcp_kwargs)
+
+    def load_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
+        """Load a :meth:`save_sharded` checkpoint (collective; any world size)."""
+        from .checkpoint import load_sharded
+        load_sharded(self, checkpoint_id, **dcp_kwargs)
+
+    def _state_dict(self, gather: bool) -> dict[str, Any]:
         if getattr(self, "_detached", False):
             self._check_open()  # explains what a copy lacks
         if not self._closed:
             self._pipeline.wait_all()
         sd = super().state_dict()
         sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
-        if self._shard.sharded:  # the full form: every rank's rows of every host half
+        if gather and self._shard.sharded:  # the full form: every rank's rows of each host half
             self._gather_host_halves(sd["state"])
         sd[_SD_KEY] = {"version": _SD_VERSION, "global_step": self._global_step,
                        "config": self.config.to_dict(), "backend": self._backend,

@@ -1,0 +1,138 @@
+"""Sharded checkpoints of a :class:`ZenFlowOptimizer` through ``torch.distributed.checkpoint``.
+
+``opt.state_dict()`` gives the full form: under data parallelism it gathers every rank's
+rows of every host half onto every rank, which a large model may not afford. Here each rank
+writes only its own rows instead: the host halves (``host_master``, ``host_m``, ``host_v``,
+and the accumulator with ``accumulate_on="host"``) become DTensors sharded by rows
+(``Shard(0)``: the row split of ``shard.RowShard`` is ``torch.chunk``'s, which is DTensor's),
+the device state is replicated (DCP writes it once), and the rest is JSON. DCP reshards on
+load, so a checkpoint loads into any world size, a single process included.
+
+Flat keys, so no nested-dict flattening is involved: ``param_groups`` and ``zenflow``
+(JSON), and per param index ``i``: ``state.i.<tensor key>`` and ``state.i.meta`` (the
+param's non-tensor state, JSON).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .optimizer import ZenFlowOptimizer
+
+_HOST_HALF = ("host_master", "host_m", "host_v")
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns that it "assumes" a single process whenever no_dist is set; here it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _sharded_keys(opt: "ZenFlowOptimizer") -> tuple[str, ...]:
+    return _HOST_HALF + (("acc",) if opt.config.accumulate_on == "host" else ())
+
+
+def _mesh(opt: "ZenFlowOptimizer"):
+    """The 1-D device mesh of the optimizer's process group (None for a single process)."""
+    if not opt._shard.sharded:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = opt._shard.group if opt._shard.group is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, opt._shard.device.type)
+
+
+def _rows_of(opt: "ZenFlowOptimizer") -> list[int]:
+    return [p.shape[0] if p.dim() else 1 for g in opt.param_groups for p in g["params"]]
+
+
+def save_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> None:
+    """Write ``opt``'s state with ``torch.distributed.checkpoint.save``; collective: every
+    rank calls it. ``dcp_kwargs`` go to ``dcp.save`` (``storage_writer``, ...)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    sd = opt._state_dict(gather=False)
+    mesh = _mesh(opt)
+    rows = _rows_of(opt)
+    sharded = _sharded_keys(opt)
+    flat: dict[str, Any] = {"param_groups": json.dumps(sd["param_groups"]),
+                            "zenflow": json.dumps(sd["zenflow"])}
+    for i, st in sd["state"].items():
+        meta = {}
+        for key, value in st.items():
+            if not isinstance(value, torch.Tensor):
+                meta[key] = value
+            elif mesh is not None and key in sharded and st.get("kind") == "matrix":
+                width = value.shape[1]
+                flat[f"state.{i}.{key}"] = DTensor.from_local(
+                    value, mesh, [Shard(0)], run_check=False,
+                    shape=torch.Size((rows[i], width)), stride=(width, 1))
+            else:
+                flat[f"state.{i}.{key}"] = value
+        flat[f"state.{i}.meta"] = json.dumps(meta)
+    dcp_kwargs.setdefault("no_dist", not opt._shard.sharded)  # a single process: no collectives
+    with _single_process_is_meant():
+        dcp.save(flat, checkpoint_id=checkpoint_id, process_group=opt._shard.group,
+                 **dcp_kwargs)
+
+
+def load_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> None:
+    """Read a :func:`save_sharded` checkpoint (from any world size) into ``opt``; collective.
+    Each rank reads only its rows of the host halves."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.tensor import DTensor, Shard
+
+    reader = dcp_kwargs.pop("storage_reader", None) or dcp.FileSystemReader(checkpoint_id)
+    metadata = reader.read_metadata()
+    mesh = _mesh(opt)
+    rows = _rows_of(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    sharded = _sharded_keys(opt)
+    template: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            template[key] = ""  # a JSON string: DCP puts the saved object here
+            continue
+        parts = key.split(".")
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() \
+                or int(parts[1]) >= len(params):
+            raise ValueError(f"checkpoint {checkpoint_id!r}: unexpected entry {key!r} (not a "
+                             "ZenFlowOptimizer.save_sharded checkpoint of these params)")
+        i, name = int(parts[1]), parts[2]
+        size, dtype = torch.Size(md.size), md.properties.dtype
+        host = name.startswith("host_") or (name == "acc" and "acc" in sharded)
+        device = torch.device("cpu") if host else params[i].device
+        if mesh is not None and name in sharded and len(size) == 2 and size[0] == rows[i]:
+            r0, r1 = opt._shard.rows(size[0])
+            local = torch.empty((r1 - r0, size[1]), dtype=dtype, device=device)
+            template[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                               shape=size, stride=(size[1], 1))
+        else:
+            template[key] = torch.empty(size, dtype=dtype, device=device)
+    dcp_kwargs.setdefault("no_dist", not opt._shard.sharded)
+    with _single_process_is_meant():
+        dcp.load(template, checkpoint_id=checkpoint_id, storage_reader=reader,
+                 process_group=opt._shard.group, **dcp_kwargs)
+    state: dict[int, dict] = {}
+    for key, value in template.items():
+        if not key.startswith("state."):
+            continue
+        _, i, name = key.split(".")
+        st = state.setdefault(int(i), {})
+        if name == "meta":
+            st.update(json.loads(value))
+        else:
+            st[name] = value.to_local() if isinstance(value, DTensor) else value
+    opt.load_state_dict({"param_groups": json.loads(template["param_groups"]),
+                         "zenflow": json.loads(template["zenflow"]), "state": state})
