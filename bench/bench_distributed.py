@@ -7,7 +7,7 @@ Each world size runs its own ranks (spawned here, gloo, CPU) on the same model (
 fp32 matrices of ``size`` x ``size``, ZenFlow defaults ``topk_ratio=0.1,
 update_interval=4``, fixed gradients: the all-reduce of DDP is not what is measured) with the
 machine's cores split between the ranks' host pools. Per world size it reports, from each
-rank's ``stats()``: the host state bytes per rank, the host job's busy time per boundary
+rank's ``stats()``: the host and device state bytes per rank, the host job's busy time per boundary
 (median over the ranks of ``host_busy_seconds / host_updates``), the bytes one rank moves
 down the link per step, and the whole step time. Ratios are against world size 1 in the
 same run. On a machine with few cores little time is gained (the ranks share the cores);
@@ -56,6 +56,7 @@ def _rank_main(rank: int, world: int, store: str, out: str, args: dict) -> None:
     opt.close()
     with open(os.path.join(out, f"w{world}r{rank}.json"), "w") as f:
         json.dump(dict(world=world, rank=rank, host_state_bytes=st["host_state_bytes"],
+                       device_state_bytes=st["device_state_bytes"],
                        host_busy_s=st["host_busy_seconds"], host_updates=st["host_updates"],
                        d2h_per_step=st["bytes_device_to_host"] / st["steps"],
                        step_s=statistics.median(step_s[4:]),
@@ -97,15 +98,18 @@ def table(results: dict[int, list[dict]], args: dict) -> list[str]:
     n = base[0]["params"]
     lines = [f"{args['matrices']} fp32 matrices of {args['size']}^2 ({n / 1e6:.1f}M params), "
              f"topk_ratio=0.1, update_interval=4, {args['cores']} cores split over the ranks",
-             "| world | host B/param per rank | vs world 1 | host job per boundary (ms) "
-             "| vs world 1 | link down B/param/step per rank | step (ms, median) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| world | host B/param per rank | vs world 1 | device B/param per rank "
+             "| host job per boundary (ms) | vs world 1 | link down B/param/step per rank "
+             "| step (ms, median) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for world, rows in results.items():
         mem = statistics.median(r["host_state_bytes"] for r in rows)
         busy = statistics.median(r["host_busy_s"] / max(1, r["host_updates"]) for r in rows)
         d2h = statistics.median(r["d2h_per_step"] for r in rows)
         step = statistics.median(r["step_s"] for r in rows)
-        lines.append(f"| {world} | {mem / n:.2f} | {mem / base_mem:.2f}x | {busy * 1e3:.1f} | "
+        dev = statistics.median(r["device_state_bytes"] for r in rows)
+        lines.append(f"| {world} | {mem / n:.2f} | {mem / base_mem:.2f}x | {dev / n:.2f} | "
+                     f"{busy * 1e3:.1f} | "
                      f"{busy / base_busy:.2f}x | {d2h / n:.3f} | {step * 1e3:.1f} |")
     return lines
 

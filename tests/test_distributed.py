@@ -78,11 +78,13 @@ def _worker(rank: int, world: int, store: str, scenario: str, out: str) -> None:
             pass
 
 
-def _train_scenario(rank: int) -> dict:
+def _train_scenario(rank: int, backend: str = "torch") -> dict:
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, backend=backend, **CFG)
     train(ddp, opt, batches(), rank, WORLD)
+    acc_rows = [s["acc"].shape[0] for s in opt.state.values()
+                if isinstance(s.get("acc"), torch.Tensor)]
     opt.synchronize()
     st = opt.stats()
     out = dict(params=[p.detach().clone() for p in model.parameters()],
@@ -90,6 +92,7 @@ def _train_scenario(rank: int) -> dict:
                            if "device_idx" in s],
                host_rows=[s["host_master"].shape[0] for s in opt.state.values()
                           if "host_master" in s],
+               acc_rows=acc_rows,
                world=st["world_size"], rank=st["rank"], host_updates=st["host_updates"],
                migrated=st["columns_migrated"])
     opt.close()
@@ -192,7 +195,22 @@ def _dcp_scenario(rank: int) -> dict:
     return dict(want=want, got=got, full=full, path=path)
 
 
+def _fsdp2_scenario(rank: int) -> dict:
+    """FSDP2 (fully_shard) makes the params DTensors: refused by name, at construction."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard(model)
+    try:
+        ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    except TypeError as e:
+        return dict(refused=str(e))
+    return dict(refused=None)
+
+
 SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
+             "fsdp2": _fsdp2_scenario,
+             "train-triton": lambda rank: _train_scenario(rank, "triton"),
              "failure": _failure_scenario, "dcp": _dcp_scenario}
 
 
@@ -216,11 +234,18 @@ def spawn(scenario: str, tmp_path, world: int = WORLD) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("world", [
-    2, pytest.param(3, marks=pytest.mark.skipif(
+@pytest.mark.parametrize("world,backend", [
+    (2, "torch"), (2, "triton"),
+    pytest.param(3, "torch", marks=pytest.mark.skipif(
         os.environ.get("ZENFLOW_SLOW") != "1", reason="3 ranks: set ZENFLOW_SLOW=1"))])
-def test_ranks_agree_and_follow_one_process_on_the_whole_batch(tmp_path, world):
-    ranks = spawn("train", tmp_path, world)
+def test_ranks_agree_and_follow_one_process_on_the_whole_batch(tmp_path, world, backend):
+    """The Triton backend runs the accumulation of this rank's rows as an entry of its own
+    in the multi-tensor kernel (no device columns, row-sliced views)."""
+    from zenflow_triton.kernels import triton_available
+
+    if backend == "triton" and not triton_available()[0]:
+        pytest.skip(triton_available()[1])
+    ranks = spawn("train" if backend == "torch" else "train-triton", tmp_path, world)
     a = ranks[0]
     assert [r["rank"] for r in ranks] == list(range(world)) and a["world"] == world
     assert a["host_updates"] > 5 and a["migrated"] > 0
@@ -235,6 +260,8 @@ def test_ranks_agree_and_follow_one_process_on_the_whole_batch(tmp_path, world):
         assert res["host_rows"] == [min(32, (r + 1) * -(-32 // world)) - min(32, r * -(-32 // world)),
                                     min(16, (r + 1) * -(-16 // world)) - min(16, r * -(-16 // world))]
     assert [sum(res["host_rows"][i] for res in ranks) for i in range(2)] == [32, 16]
+    for res in ranks:  # the device accumulators hold this rank's rows only
+        assert res["acc_rows"] == res["host_rows"], res["acc_rows"]
 
     model = make_model()
     with ZenFlowOptimizer(model.parameters(), lr=LR, **CFG) as opt:
@@ -280,6 +307,11 @@ def test_sharded_checkpoint_resumes_and_loads_into_one_process(tmp_path):
                 assert torch.equal(mine["state"][i][key].cpu(), value.cpu()), (i, key)
             else:
                 assert mine["state"][i][key] == value, (i, key)
+
+
+def test_fsdp2_params_are_refused_by_name(tmp_path):
+    for res in spawn("fsdp2", tmp_path):
+        assert res["refused"] and "DTensor" in res["refused"] and "FSDP2" in res["refused"]
 
 
 def test_a_failing_rank_fails_every_rank_without_hanging(tmp_path):

@@ -2,8 +2,8 @@
 
 ``opt.state_dict()`` gives the full form: under data parallelism it gathers every rank's
 rows of every host half onto every rank, which a large model may not afford. Here each rank
-writes only its own rows instead: the host halves (``host_master``, ``host_m``, ``host_v``,
-and the accumulator with ``accumulate_on="host"``) become DTensors sharded by rows
+writes only its own rows instead: the host halves (``host_master``, ``host_m``, ``host_v``)
+and the window accumulator (on either side) become DTensors sharded by rows
 (``Shard(0)``: the row split of ``shard.RowShard`` is ``torch.chunk``'s, which is DTensor's),
 the device state is replicated (DCP writes it once), and the rest is JSON. DCP reshards on
 load, so a checkpoint loads into any world size, a single process included.
@@ -37,7 +37,7 @@ def _single_process_is_meant():
 
 
 def _sharded_keys(opt: "ZenFlowOptimizer") -> tuple[str, ...]:
-    return _HOST_HALF + (("acc",) if opt.config.accumulate_on == "host" else ())
+    return _HOST_HALF + ("acc",)  # each rank accumulates its rows only
 
 
 def _mesh(opt: "ZenFlowOptimizer"):
@@ -111,7 +111,8 @@ def load_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
                              "ZenFlowOptimizer.save_sharded checkpoint of these params)")
         i, name = int(parts[1]), parts[2]
         size, dtype = torch.Size(md.size), md.properties.dtype
-        host = name.startswith("host_") or (name == "acc" and "acc" in sharded)
+        host = name.startswith("host_") or (name == "acc"
+                                            and opt.config.accumulate_on == "host")
         device = torch.device("cpu") if host else params[i].device
         if mesh is not None and name in sharded and len(size) == 2 and size[0] == rows[i]:
             r0, r1 = opt._shard.rows(size[0])

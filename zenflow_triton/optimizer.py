@@ -124,6 +124,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._pipeline = HostPipeline(self.link, self._host_adamw, self._worker,
                                       self.config.host_timeout)
         self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._empty_halves: dict[tuple, tuple] = {}
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -363,8 +364,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     direct[p] = self._host_columns(g2d, host_idx)
                 else:
                     if st["acc"] is None:  # the first window that accumulates makes it
-                        # (on the host: this rank's rows only; on the device: all rows)
-                        rows = g2d.shape[0] if acc_on_device else st["host_master"].shape[0]
+                        # (this rank's rows only, under data parallelism)
+                        rows = st["host_master"].shape[0]
                         st["acc"] = new_accumulator(rows, host_idx.numel(),
                                                     p.device, self.config.accumulate_on,
                                                     self.config.accumulator_torch_dtype)
@@ -374,8 +375,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                         r0, r1 = self._shard.rows(g2d.shape[0])
                         to_host.append((st["acc"], self._host_columns(g2d[r0:r1], host_idx)))
                 st["acc_count"] += 1
-            if has_dev or acc is not None:
-                matrices.append((p, g, st, acc, host_idx))
+            p2d, g2d = view2d(p.detach()), view2d(g)
+            sliced = acc is not None and acc.shape[0] != p2d.shape[0]  # this rank's rows
+            if has_dev or (acc is not None and not sliced):
+                matrices.append((p2d, g2d, st["device_idx"], st["device_m"], st["device_v"],
+                                 st.get("device_master"), st["device_step"],
+                                 None if sliced else acc, None if sliced else host_idx))
+            if sliced:  # the accumulation of this rank's rows: an entry with no device columns
+                r0, r1 = self._shard.rows(p2d.shape[0])
+                none = self._no_columns(p, r1 - r0)
+                matrices.append((p2d[r0:r1], g2d[r0:r1], *none, 1, acc, host_idx))
         for group, small, matrices in by_group.values():
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -387,18 +396,22 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                [st.get("master") for _, _, st in small],
                                [st["step"] for _, _, st in small], **hyper)
             if matrices:
-                self.ops.selective_adamw_accumulate(
-                    [view2d(p.detach()) for p, *_ in matrices],
-                    [view2d(g) for _, g, *_ in matrices],
-                    [st["device_idx"] for _, _, st, *_ in matrices],
-                    [st["device_m"] for _, _, st, *_ in matrices],
-                    [st["device_v"] for _, _, st, *_ in matrices],
-                    [st.get("device_master") for _, _, st, *_ in matrices],
-                    [st["device_step"] for _, _, st, *_ in matrices],
-                    [acc for *_, acc, _ in matrices], [h for *_, h in matrices], **hyper)
+                self.ops.selective_adamw_accumulate(*map(list, zip(*matrices)), **hyper)
         if to_host:  # the host worker adds them; this thread only queues the copies
             self._pipeline.accumulate(to_host, f"step {self._global_step}")
         return direct
+
+    def _no_columns(self, p: torch.Tensor, rows: int) -> tuple:
+        """(index, m, v, master) of no device-owned columns for ``rows`` rows of ``p``: the
+        device half of an accumulation-only entry of the multi-tensor op (made once)."""
+        key = (p.device, p.dtype, rows)
+        made = self._empty_halves.get(key)
+        if made is None:
+            m = torch.zeros(rows, 0, device=p.device)
+            made = self._empty_halves[key] = (
+                torch.zeros(0, dtype=torch.long, device=p.device), m, m,
+                m if p.dtype != torch.float32 else None)
+        return made
 
     def _host_idx_on_device(self, p: torch.Tensor, st: dict) -> torch.Tensor:
         """``st["host_idx"]`` (kept in host memory) on ``p``'s device, copied once per
@@ -452,8 +465,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
                                   eps=group["eps"], weight_decay=group["weight_decay"],
                                   step=st["host_step"], grad_divisor=float(count))
-                rows = (self._shard.rows(view2d(p).shape[0])
-                        if sharded and source != "host_acc" else None)
+                rows = (self._shard.rows(view2d(p).shape[0])  # the accumulators hold only
+                        if sharded and source == "direct" else None)  # this rank's rows
                 windows.append(Window(p, st["host_master"], st["host_m"], st["host_v"], hyper,
                                       source, grad, store_into,
                                       p.detach() if needs_box else None, rows))
@@ -669,12 +682,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         holds this rank's rows by all the rows, gathered from every rank (one all-gather per
         dtype; every rank gets the full form, which loads into any world size)."""
         params = [p for g in self.param_groups for p in g["params"]]
-        acc_on_host = self.config.accumulate_on == "host"
         items = []
         for i, st in sorted(state.items()):
             if st.get("kind") != MATRIX:
                 continue
-            for key in ("host_master", "host_m", "host_v") + (("acc",) if acc_on_host else ()):
+            for key in ("host_master", "host_m", "host_v", "acc"):
                 if isinstance(st.get(key), torch.Tensor):
                     items.append((i, key, st[key], view2d(params[i]).shape[0]))
         by_dtype: dict[torch.dtype, list] = {}
@@ -730,6 +742,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self.link.bytes_d2h = int(meta.get("bytes_device_to_host", 0))
         self.link.bytes_h2d = int(meta.get("bytes_host_to_device", 0))
 
+    def _own_rows(self, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a saved host half or accumulator: all rows (a full form) are
+        sliced; exactly this rank's rows are taken as they are."""
+        total = view2d(p).shape[0]
+        r0, r1 = self._shard.rows(total)
+        if value.shape[0] == total:
+            return value[r0:r1]
+        if value.shape[0] != r1 - r0:
+            raise ValueError(f"state {key!r} of {self._param_name(p)} has {value.shape[0]} "
+                             f"rows; expected all {total} (a full state_dict) or this "
+                             f"rank's {r1 - r0}")
+        return value
+
     def _restore_param_state(self, p: torch.Tensor, saved: dict) -> dict:
         kind = saved.get("kind")
         if kind not in (MATRIX, SMALL):
@@ -742,21 +767,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             if not isinstance(value, torch.Tensor):
                 st[key] = value
                 continue
+            if kind == MATRIX and key in ("host_master", "host_m", "host_v", "acc"):
+                value = self._own_rows(p, key, value)  # this rank's rows of a full form
             is_idx = key.endswith("_idx")
             dtype = (torch.long if is_idx
                      else self.config.host_moment_dtype if key in ("host_m", "host_v")
                      else self.config.accumulator_torch_dtype if key == "acc"
                      else torch.float32)
             if key.startswith("host_") or (key == "acc" and acc_on_host):
-                if kind == MATRIX and key != "host_idx":  # this rank's rows of a full form
-                    r0, r1 = self._shard.rows(view2d(p).shape[0])
-                    if value.shape[0] == view2d(p).shape[0]:
-                        value = value[r0:r1]
-                    elif value.shape[0] != r1 - r0:
-                        raise ValueError(
-                            f"state {key!r} of {self._param_name(p)} has {value.shape[0]} "
-                            f"rows; expected all {view2d(p).shape[0]} (a full state_dict) "
-                            f"or this rank's {r1 - r0}")
                 st[key] = to_host_memory(value, dtype)  # straight to host memory
             else:
                 st[key] = value.to(device=p.device, dtype=dtype, copy=True)
