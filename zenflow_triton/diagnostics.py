@@ -1,0 +1,174 @@
+"""Does a model suit ZenFlow? The two gradient properties it relies on, measured per layer.
+
+ZenFlow updates the top ``topk_ratio`` columns of each weight matrix on the device every step
+and defers the rest. That costs little when
+
+1. **the gradient energy is concentrated**: the top-k columns (by the same score the
+   optimizer uses, the sum of g² per column) carry most of the squared gradient; and
+2. **the top-k set is stable**: the columns chosen at one step are mostly the ones chosen
+   at the next (and a few steps later), so a selection refreshed every ``select_interval``
+   steps stays right in between.
+
+:class:`GradientDiagnostics` records both after each backward pass, for every matrix param
+the optimizer would split (``dim >= 2`` and at least ``min_offload_numel`` elements):
+
+* ``energy_share``: sum of the top-k column scores / sum of all column scores (k/cols for
+  gradient energy spread evenly, 1 for all of it in k columns);
+* ``overlap_prev``: |top-k now ∩ top-k at the previous recorded step| / k;
+* ``overlap_first``: the same against the first recorded step (drift over the run).
+
+``zenflow-tune diagnose`` trains a workload with ``torch.optim.AdamW`` and records them,
+writing a table, a JSON file and a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from .config import DEFAULT_MIN_OFFLOAD_NUMEL
+from .partition import num_selected, view2d
+
+
+@dataclass
+class LayerRecord:
+    name: str
+    shape: tuple[int, ...]
+    k: int
+    cols: int
+    energy_share: list[float] = field(default_factory=list)
+    overlap_prev: list[float] = field(default_factory=list)
+    overlap_first: list[float] = field(default_factory=list)
+
+    def mean(self, what: str) -> float:
+        values = getattr(self, what)
+        return sum(values) / len(values) if values else float("nan")
+
+
+class GradientDiagnostics:
+    """Records, at each :meth:`record` call (after ``backward()``), how concentrated each
+    matrix param's gradient energy is in its top-k columns and how stable that set is."""
+
+    def __init__(self, named_params: Iterable, topk_ratio: float = 0.1, score: str = "l2",
+                 min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL) -> None:
+        if not 0.0 < topk_ratio < 1.0:
+            raise ValueError(f"topk_ratio must be in (0, 1), got {topk_ratio}")
+        if score not in ("l2", "l1"):
+            raise ValueError(f"score must be 'l2' or 'l1', got {score!r}")
+        self.topk_ratio = topk_ratio
+        self.score = score
+        self._params = []
+        self.layers: list[LayerRecord] = []
+        for i, item in enumerate(named_params):
+            name, p = item if isinstance(item, tuple) else (f"param{i}", item)
+            if not p.requires_grad or p.dim() < 2 or p.numel() < min_offload_numel:
+                continue
+            cols = p.numel() // p.shape[0]
+            self._params.append(p)
+            self.layers.append(LayerRecord(name, tuple(p.shape), num_selected(cols, topk_ratio),
+                                           cols))
+        if not self.layers:
+            raise ValueError("no matrix param to diagnose (dim >= 2 and at least "
+                             f"min_offload_numel={min_offload_numel} elements)")
+        self._first: list[torch.Tensor | None] = [None] * len(self.layers)
+        self._prev: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.steps = 0
+
+    @torch.no_grad()
+    def record(self) -> None:
+        """Read every diagnosed param's ``.grad`` (a param without one is skipped)."""
+        for i, (p, layer) in enumerate(zip(self._params, self.layers)):
+            if p.grad is None:
+                continue
+            g = view2d(p.grad).float()
+            scores = g.square().sum(0) if self.score == "l2" else g.abs().sum(0)
+            total = scores.sum().item()
+            # Ties to the lower index, as the optimizer's selection.
+            top = torch.sort(scores, descending=True, stable=True).indices[:layer.k]
+            layer.energy_share.append(scores[top].sum().item() / total if total > 0 else 0.0)
+            chosen = torch.zeros(layer.cols, dtype=torch.bool, device=scores.device)
+            chosen[top] = True
+            if self._prev[i] is not None:
+                layer.overlap_prev.append((chosen & self._prev[i]).sum().item() / layer.k)
+                layer.overlap_first.append((chosen & self._first[i]).sum().item() / layer.k)
+            else:
+                self._first[i] = chosen
+            self._prev[i] = chosen
+        self.steps += 1
+
+    # ------------------------------------------------------------------ reports
+    def summary(self) -> dict:
+        """Per layer the means over the recorded steps, and the element-weighted means over
+        all layers (``overall``)."""
+        rows = []
+        weights = []
+        for layer in self.layers:
+            rows.append(dict(name=layer.name, shape=list(layer.shape), k=layer.k,
+                             cols=layer.cols, energy_share=layer.mean("energy_share"),
+                             overlap_prev=layer.mean("overlap_prev"),
+                             overlap_first=layer.mean("overlap_first")))
+            weights.append(int(torch.Size(layer.shape).numel()))
+
+        def weighted(key):
+            pairs = [(r[key], w) for r, w in zip(rows, weights) if r[key] == r[key]]
+            total = sum(w for _, w in pairs)
+            return sum(v * w for v, w in pairs) / total if total else float("nan")
+
+        return dict(topk_ratio=self.topk_ratio, score=self.score, steps=self.steps,
+                    layers=rows,
+                    overall=dict(energy_share=weighted("energy_share"),
+                                 overlap_prev=weighted("overlap_prev"),
+                                 overlap_first=weighted("overlap_first"),
+                                 uniform_share=self.topk_ratio))
+
+    def table(self, max_rows: int | None = None) -> str:
+        s = self.summary()
+        lines = [f"top {s['topk_ratio']:.0%} of columns by {s['score']} score, {s['steps']} "
+                 "steps", "| layer | shape | energy in top-k | overlap with previous step | "
+                 "overlap with first step |", "| --- | --- | --- | --- | --- |"]
+        rows = s["layers"] if max_rows is None else s["layers"][:max_rows]
+        for r in rows:
+            lines.append(f"| {r['name']} | {'x'.join(map(str, r['shape']))} | "
+                         f"{r['energy_share']:.3f} | {r['overlap_prev']:.3f} | "
+                         f"{r['overlap_first']:.3f} |")
+        if max_rows is not None and len(s["layers"]) > max_rows:
+            lines.append(f"| ... {len(s['layers']) - max_rows} more | | | | |")
+        o = s["overall"]
+        lines.append(f"| **all (element-weighted)** | | {o['energy_share']:.3f} | "
+                     f"{o['overlap_prev']:.3f} | {o['overlap_first']:.3f} |")
+        return "\n".join(lines)
+
+    def to_json(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.summary(), f, indent=1)
+
+    def plot(self, path, title: str = "") -> None:
+        """A PNG: per layer, the energy share of the top-k columns (against the uniform
+        share k/cols) and the overlap of consecutive top-k sets. Needs matplotlib."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        s = self.summary()
+        layers = s["layers"]
+        x = range(len(layers))
+        fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(layers) + 3), 4))
+        ax.plot(x, [r["energy_share"] for r in layers], ".-", label="energy in top-k columns")
+        ax.plot(x, [r["overlap_prev"] for r in layers], ".-",
+                label="top-k overlap with previous step")
+        ax.plot(x, [r["overlap_first"] for r in layers], ".-", alpha=0.6,
+                label="top-k overlap with first step")
+        ax.axhline(s["topk_ratio"], color="grey", lw=0.8, ls="--",
+                   label=f"uniform: {s['topk_ratio']:.0%}")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("matrix param (model order)")
+        ax.set_ylabel("fraction")
+        ax.set_title(title or f"gradient concentration and top-{s['topk_ratio']:.0%} stability, "
+                              f"{s['steps']} steps")
+        ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
