@@ -400,7 +400,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     import torch
 
-    from zenflow_triton.diagnostics import GradientDiagnostics
+    from zenflow_triton.diagnostics import GradientDiagnostics, kind_table
 
     from .workload import WorkloadError, build_workload, load_workload_factory
 
@@ -431,6 +431,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     diag.to_json(out / "diagnostics.json")
     print(f"workload {name!r}, {diag.steps} AdamW steps at lr {args.lr} in {seconds:.0f} s")
     print(diag.table(args.rows))
+    print()
+    print(kind_table(diag.summary()))
     try:
         diag.plot(out / "diagnostics.png", title=f"{name}: gradient concentration and "
                                                  f"top-{args.topk_ratio:.0%} stability")

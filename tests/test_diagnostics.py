@@ -68,3 +68,17 @@ def test_diagnose_command_on_the_embedded_workload(tmp_path, capsys):
     share = summary["overall"]["energy_share"]
     assert summary["topk_ratio"] <= share <= 1.0  # the top-k hold at least their share
     assert main(["diagnose", "--topk-ratio", "1.5", "--out", str(tmp_path)]) == 1
+
+
+def test_kind_table_groups_layers_by_name_without_their_numbers():
+    from zenflow_triton.diagnostics import kind_table
+
+    named = [(f"model.layers.{i}.attn.q.weight", torch.nn.Parameter(torch.zeros(4, 10)))
+             for i in range(3)] + [("head.weight", torch.nn.Parameter(torch.zeros(4, 10)))]
+    diag = GradientDiagnostics(named, topk_ratio=0.2, min_offload_numel=1)
+    for _, p in named:
+        p.grad = torch.ones(4, 10)
+    diag.record()
+    table = kind_table(diag.summary())
+    assert "| model.layers.N.attn.q.weight | 3 | 0.20 (0.20-0.20) |" in table
+    assert "| head.weight | 1 |" in table

@@ -24,6 +24,7 @@ writing a table, a JSON file and a PNG.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -146,29 +147,53 @@ class GradientDiagnostics:
             json.dump(self.summary(), f, indent=1)
 
     def plot(self, path, title: str = "") -> None:
-        """A PNG: per layer, the energy share of the top-k columns (against the uniform
-        share k/cols) and the overlap of consecutive top-k sets. Needs matplotlib."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        """A PNG of :meth:`summary` (see :func:`plot_summary`). Needs matplotlib."""
+        plot_summary(self.summary(), path, title)
 
-        s = self.summary()
-        layers = s["layers"]
-        x = range(len(layers))
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.12 * len(layers) + 3), 4))
-        ax.plot(x, [r["energy_share"] for r in layers], ".-", label="energy in top-k columns")
-        ax.plot(x, [r["overlap_prev"] for r in layers], ".-",
-                label="top-k overlap with previous step")
-        ax.plot(x, [r["overlap_first"] for r in layers], ".-", alpha=0.6,
-                label="top-k overlap with first step")
-        ax.axhline(s["topk_ratio"], color="grey", lw=0.8, ls="--",
-                   label=f"uniform: {s['topk_ratio']:.0%}")
-        ax.set_ylim(0, 1.02)
-        ax.set_xlabel("matrix param (model order)")
-        ax.set_ylabel("fraction")
-        ax.set_title(title or f"gradient concentration and top-{s['topk_ratio']:.0%} stability, "
-                              f"{s['steps']} steps")
-        ax.legend(fontsize=8, loc="lower right")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+
+def kind_table(s: dict) -> str:
+    """A :meth:`GradientDiagnostics.summary` grouped by kind of layer (the name with its
+    layer numbers taken out, e.g. ``model.layers.N.self_attn.q_proj.weight``): the means
+    over the layers of each kind, in order of first appearance."""
+    groups: dict[str, list[dict]] = {}
+    for r in s["layers"]:
+        groups.setdefault(re.sub(r"\.\d+(?=\.)", ".N", r["name"]), []).append(r)
+    lines = ["| layers | count | energy in top-k (mean, min-max) | overlap with previous step "
+             "(mean) |", "| --- | --- | --- | --- |"]
+    for kind, rows in groups.items():
+        shares = [r["energy_share"] for r in rows]
+        overlaps = [r["overlap_prev"] for r in rows]
+        lines.append(f"| {kind} | {len(rows)} | {sum(shares) / len(rows):.2f} "
+                     f"({min(shares):.2f}-{max(shares):.2f}) | "
+                     f"{sum(overlaps) / len(rows):.2f} |")
+    return "\n".join(lines)
+
+
+def plot_summary(s: dict, path, title: str = "") -> None:
+    """A PNG of a :meth:`GradientDiagnostics.summary` (or its JSON): per matrix param in
+    model order, the energy share of the top-k columns (against the uniform share k/cols)
+    and the overlap of consecutive top-k sets. Needs matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = s["layers"]
+    x = range(len(layers))
+    fig, ax = plt.subplots(figsize=(min(11.0, max(6.0, 0.06 * len(layers) + 4)), 4.2))
+    ax.plot(x, [r["energy_share"] for r in layers], ".-", lw=0.8, ms=3,
+            label="gradient energy in the top-k columns")
+    ax.plot(x, [r["overlap_prev"] for r in layers], ".-", lw=0.8, ms=3,
+            label="top-k overlap with the previous step")
+    ax.axhline(s["topk_ratio"], color="grey", lw=0.8, ls="--",
+               label=f"uniform share: {s['topk_ratio']:.0%}")
+    o = s["overall"]
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("matrix param, in model order")
+    ax.set_ylabel("fraction")
+    ax.set_title((title or "gradient concentration and top-k stability")
+                 + f"\nall layers (element-weighted): energy {o['energy_share']:.2f}, "
+                   f"overlap {o['overlap_prev']:.2f}, {s['steps']} steps", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
