@@ -99,9 +99,10 @@ def _train_scenario(rank: int, backend: str = "torch") -> dict:
     return out
 
 
-def _resume_scenario(rank: int) -> dict:
-    import io
-
+def _resumed_vs_uninterrupted(rank: int, checkpoint) -> dict:
+    """Train 12 steps (windows of 4) uninterrupted, and again with ``checkpoint(opt, model)``
+    at u = 6 (mid-window, a job pending), which returns a new optimizer holding the state
+    and anything to report; both runs' final params."""
     cfg = dict(CFG, update_interval=4, select_interval=8)
     data = batches(12)
 
@@ -109,28 +110,40 @@ def _resume_scenario(rank: int) -> dict:
         model = make_model()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
-        full_rows = None
+        extra = None
         if resume:
-            train(ddp, opt, data, rank, WORLD, 0, 6)  # u = 6: mid-window, a job pending
-            buf = io.BytesIO()
-            sd = opt.state_dict()  # collective: every rank calls it
-            full_rows = [s["host_master"].shape[0] for s in sd["state"].values()
-                         if "host_master" in s]
-            torch.save(sd, buf)
-            opt.close()
-            buf.seek(0)
-            opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
-            opt.load_state_dict(torch.load(buf, weights_only=True))
+            train(ddp, opt, data, rank, WORLD, 0, 6)
+            opt, extra = checkpoint(opt, model, cfg)
             train(ddp, opt, data, rank, WORLD, 6, None)
         else:
             train(ddp, opt, data, rank, WORLD)
         opt.synchronize()
         opt.close()
-        return [p.detach().clone() for p in model.parameters()], full_rows
+        return [p.detach().clone() for p in model.parameters()], extra
 
     want, _ = run(False)
-    got, full_rows = run(True)
-    return dict(want=want, got=got, full_rows=full_rows)
+    got, extra = run(True)
+    return dict(want=want, got=got, extra=extra)
+
+
+def _resume_scenario(rank: int) -> dict:
+    """A full state_dict (collective: every rank calls it) through torch.save/load."""
+    import io
+
+    def checkpoint(opt, model, cfg):
+        buf = io.BytesIO()
+        sd = opt.state_dict()
+        full_rows = [s["host_master"].shape[0] for s in sd["state"].values()
+                     if "host_master" in s]
+        torch.save(sd, buf)
+        opt.close()
+        buf.seek(0)
+        new = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
+        new.load_state_dict(torch.load(buf, weights_only=True))
+        return new, full_rows
+
+    res = _resumed_vs_uninterrupted(rank, checkpoint)
+    return dict(res, full_rows=res["extra"])
 
 
 def _failure_scenario(rank: int) -> dict:
@@ -165,34 +178,20 @@ def _failure_scenario(rank: int) -> dict:
 
 def _dcp_scenario(rank: int) -> dict:
     """save_sharded mid-window (each rank writes its rows), load_sharded into new
-    optimizers, go on: bit for bit the uninterrupted run. Also returns the full form at the
-    save point, for a single process to load the same checkpoint against."""
-    cfg = dict(CFG, update_interval=4, select_interval=8)
-    data = batches(12)
+    optimizers, go on. Also returns the full form at the save point, for a single process
+    to load the same checkpoint against."""
     path = os.path.join(OUT, "dcp")
 
-    def run(resume: bool):
-        model = make_model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
-        full = None
-        if resume:
-            train(ddp, opt, data, rank, WORLD, 0, 6)
-            opt.save_sharded(path)
-            full = opt.state_dict()
-            opt.close()
-            opt = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
-            opt.load_sharded(path)
-            train(ddp, opt, data, rank, WORLD, 6, None)
-        else:
-            train(ddp, opt, data, rank, WORLD)
-        opt.synchronize()
+    def checkpoint(opt, model, cfg):
+        opt.save_sharded(path)
+        full = opt.state_dict()
         opt.close()
-        return [p.detach().clone() for p in model.parameters()], full
+        new = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
+        new.load_sharded(path)
+        return new, full
 
-    want, _ = run(False)
-    got, full = run(True)
-    return dict(want=want, got=got, full=full, path=path)
+    res = _resumed_vs_uninterrupted(rank, checkpoint)
+    return dict(res, full=res["extra"], path=path)
 
 
 def _fsdp2_scenario(rank: int) -> dict:
