@@ -146,22 +146,36 @@ def _resume_scenario(rank: int) -> dict:
     return dict(res, full_rows=res["extra"])
 
 
-def _failure_scenario(rank: int) -> dict:
-    from zenflow_triton.host import HostAdamW
+def _failure_scenario(rank: int, accumulate_on: str = "device") -> dict:
+    """Rank 1's second host job (or, with host accumulation, its fourth host add) raises."""
+    from zenflow_triton.host import HostAdamW, HostWorker
 
     if rank == 1:
-        real = HostAdamW.update_many
         calls = []
+        if accumulate_on == "device":
+            real = HostAdamW.update_many
 
-        def broken(self, tasks):
-            calls.append(1)
-            if len(calls) == 2:
-                raise ArithmeticError("injected host failure on rank 1")
-            return real(self, tasks)
-        HostAdamW.update_many = broken
+            def broken(self, tasks):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise ArithmeticError("injected host failure on rank 1")
+                return real(self, tasks)
+            HostAdamW.update_many = broken
+        else:
+            real_submit = HostWorker.submit
+
+            def submit(self, fn, label):
+                if label.startswith("host accumulation"):
+                    calls.append(1)
+                    if len(calls) == 4:
+                        def fn():
+                            raise ArithmeticError("injected host failure on rank 1")
+                return real_submit(self, fn, label)
+            HostWorker.submit = submit
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **dict(CFG, host_timeout=5.0))
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR,
+                           **dict(CFG, host_timeout=5.0, accumulate_on=accumulate_on))
     t0 = time.monotonic()
     try:
         train(ddp, opt, batches(), rank, WORLD)
@@ -210,7 +224,8 @@ def _fsdp2_scenario(rank: int) -> dict:
 SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
              "fsdp2": _fsdp2_scenario,
              "train-triton": lambda rank: _train_scenario(rank, "triton"),
-             "failure": _failure_scenario, "dcp": _dcp_scenario}
+             "failure": _failure_scenario, "dcp": _dcp_scenario,
+             "failure-host-acc": lambda rank: _failure_scenario(rank, "host")}
 
 
 def spawn(scenario: str, tmp_path, world: int = WORLD) -> list[dict]:
@@ -227,7 +242,7 @@ def spawn(scenario: str, tmp_path, world: int = WORLD) -> list[dict]:
             p.kill()
             pytest.fail(f"scenario {scenario}: a rank did not finish within 240 s")
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    if scenario != "failure":
+    if not scenario.startswith("failure"):
         for r, res in enumerate(results):
             assert "error" not in res, f"rank {r}: {res.get('trace', res)}"
     return results
@@ -313,8 +328,11 @@ def test_fsdp2_params_are_refused_by_name(tmp_path):
         assert res["refused"] and "DTensor" in res["refused"] and "FSDP2" in res["refused"]
 
 
-def test_a_failing_rank_fails_every_rank_without_hanging(tmp_path):
-    a, b = spawn("failure", tmp_path)
+@pytest.mark.parametrize("scenario", ["failure", "failure-host-acc"])
+def test_a_failing_rank_fails_every_rank_without_hanging(tmp_path, scenario):
+    """A failed host job, or a failed host accumulation (it raises on its own rank at the
+    next step; the ranks hear of it at the next apply point): every rank fails, naming it."""
+    a, b = spawn(scenario, tmp_path)
     assert b["error"] and "injected host failure on rank 1" in b["error"], b
     assert a["error"] and "rank(s) [1]" in a["error"], a
     assert a["seconds"] < 60 and b["seconds"] < 60, (a, b)

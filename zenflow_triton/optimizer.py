@@ -125,6 +125,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                       self.config.host_timeout)
         self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._empty_halves: dict[tuple, tuple] = {}
+        self._deferred_failure: BaseException | None = None  # data parallelism: see step()
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -187,7 +188,14 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
                                   "(load a checkpoint into a new optimizer)")
-        self._pipeline.check()  # a failed host accumulation raises before any change
+        try:
+            self._pipeline.check()  # a failed host accumulation raises before any change
+        except HostWorkerError as e:
+            if not self._shard.sharded:
+                raise
+            # Data parallelism: every rank must hear of it, at the next apply point (where
+            # the ranks agree); until then this rank goes on with the others.
+            self._deferred_failure = self._deferred_failure or e
 
         self._global_step += 1
         cfg = self.config
@@ -479,12 +487,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Wait for host work in flight, then write every pending host result into its param.
         Under data parallelism every rank does this at the same step: the ranks agree that
         their jobs succeeded, then gather each other's rows of the results."""
-        failure = None
+        failure, self._deferred_failure = self._deferred_failure, None
         try:
             self._pipeline.wait()
         except BaseException as e:  # every rank must hear of it before the gather
-            failure = e
-        self._shard.agree(failure, "the host AdamW job")
+            failure = failure or e
+        self._shard.agree(failure, "the host work")
         stored, boxed_keys = self._pipeline.take_results()
         for p in stored:  # the job wrote these params itself
             self.state[p]["host_pending"] = False
