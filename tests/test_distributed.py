@@ -30,6 +30,10 @@ LR = 1e-2
 CFG = dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True,
            min_offload_numel=64, host_threads=1)
 
+# Resume runs: bf16 host moments, so the full form gathers two dtypes (fp32 masters, bf16
+# moments) in one call.
+RESUME_CFG = dict(CFG, update_interval=4, select_interval=8, host_state_dtype="bfloat16")
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 
 
@@ -103,7 +107,7 @@ def _resumed_vs_uninterrupted(rank: int, checkpoint) -> dict:
     """Train 12 steps (windows of 4) uninterrupted, and again with ``checkpoint(opt, model)``
     at u = 6 (mid-window, a job pending), which returns a new optimizer holding the state
     and anything to report; both runs' final params."""
-    cfg = dict(CFG, update_interval=4, select_interval=8)
+    cfg = RESUME_CFG
     data = batches(12)
 
     def run(resume: bool):
@@ -311,7 +315,7 @@ def test_sharded_checkpoint_resumes_and_loads_into_one_process(tmp_path):
     full = ranks[0]["full"]
     model = make_model()
     with ZenFlowOptimizer(model.parameters(), lr=LR,
-                          **dict(CFG, update_interval=4, select_interval=8)) as opt:
+                          **RESUME_CFG) as opt:
         opt.load_sharded(ranks[0]["path"])
         mine = opt.state_dict()
     assert mine["zenflow"]["global_step"] == full["zenflow"]["global_step"] == 6

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .partition import MATRIX, state_side
+from .shard import ROW_SHARDED
+
 if TYPE_CHECKING:
     from .optimizer import ZenFlowOptimizer
-
-_HOST_HALF = ("host_master", "host_m", "host_v")
-
 
 @contextlib.contextmanager
 def _single_process_is_meant():
@@ -34,10 +34,6 @@ def _single_process_is_meant():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _sharded_keys(opt: "ZenFlowOptimizer") -> tuple[str, ...]:
-    return _HOST_HALF + ("acc",)  # each rank accumulates its rows only
 
 
 def _mesh(opt: "ZenFlowOptimizer"):
@@ -64,7 +60,6 @@ def save_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
     sd = opt._state_dict(gather=False)
     mesh = _mesh(opt)
     rows = _rows_of(opt)
-    sharded = _sharded_keys(opt)
     flat: dict[str, Any] = {"param_groups": json.dumps(sd["param_groups"]),
                             "zenflow": json.dumps(sd["zenflow"])}
     for i, st in sd["state"].items():
@@ -72,7 +67,7 @@ def save_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
         for key, value in st.items():
             if not isinstance(value, torch.Tensor):
                 meta[key] = value
-            elif mesh is not None and key in sharded and st.get("kind") == "matrix":
+            elif mesh is not None and key in ROW_SHARDED and st.get("kind") == MATRIX:
                 width = value.shape[1]
                 flat[f"state.{i}.{key}"] = DTensor.from_local(
                     value, mesh, [Shard(0)], run_check=False,
@@ -98,7 +93,6 @@ def load_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
     mesh = _mesh(opt)
     rows = _rows_of(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
-    sharded = _sharded_keys(opt)
     template: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -111,10 +105,9 @@ def load_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
                              "ZenFlowOptimizer.save_sharded checkpoint of these params)")
         i, name = int(parts[1]), parts[2]
         size, dtype = torch.Size(md.size), md.properties.dtype
-        host = name.startswith("host_") or (name == "acc"
-                                            and opt.config.accumulate_on == "host")
+        host = state_side(name, opt.config.accumulate_on) == "host"
         device = torch.device("cpu") if host else params[i].device
-        if mesh is not None and name in sharded and len(size) == 2 and size[0] == rows[i]:
+        if mesh is not None and name in ROW_SHARDED and len(size) == 2 and size[0] == rows[i]:
             r0, r1 = opt._shard.rows(size[0])
             local = torch.empty((r1 - r0, size[1]), dtype=dtype, device=device)
             template[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,

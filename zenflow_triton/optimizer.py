@@ -38,7 +38,7 @@ from .kernels import (KernelOps, confirm_nonfinite, get_ops, nonfinite_flags,
                       triton_available)
 from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
                         new_accumulator, num_selected, select_columns, state_side, view2d)
-from .shard import RowShard
+from .shard import ROW_SHARDED, RowShard
 from .transfer import Link, to_host_memory
 
 _SD_KEY = "zenflow"
@@ -364,9 +364,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             has_dev = st["device_idx"].numel() > 0
             if has_dev:
                 st["device_step"] += 1
+            p2d, g2d = view2d(p.detach()), view2d(g)
             acc = host_idx = None
             if st["host_idx"].numel():
-                g2d = view2d(g)
                 host_idx = self._host_idx_on_device(p, st)
                 if single_step_window and st["acc_count"] == 0:
                     direct[p] = self._host_columns(g2d, host_idx)
@@ -383,7 +383,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                         r0, r1 = self._shard.rows(g2d.shape[0])
                         to_host.append((st["acc"], self._host_columns(g2d[r0:r1], host_idx)))
                 st["acc_count"] += 1
-            p2d, g2d = view2d(p.detach()), view2d(g)
             sliced = acc is not None and acc.shape[0] != p2d.shape[0]  # this rank's rows
             if has_dev or (acc is not None and not sliced):
                 matrices.append((p2d, g2d, st["device_idx"], st["device_m"], st["device_v"],
@@ -513,15 +512,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             else:  # a result loaded from a checkpoint: no outbox yet (once, blocking)
                 srcs.append(self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
             st["host_pending"] = False
-        if self._shard.sharded:  # this rank's rows of each result -> all rows, on every rank
-            by_kind: dict[tuple, list[int]] = {}
-            for i, t in enumerate(srcs):
-                by_kind.setdefault((t.device, t.dtype), []).append(i)
-            for members in by_kind.values():
-                full = self._shard.gather_rows([srcs[i] for i in members],
-                                               [view2d(pending[i][0]).shape[0] for i in members])
-                for i, t in zip(members, full):
-                    srcs[i] = t
+        # This rank's rows of each result -> all rows, on every rank (as is, unsharded).
+        srcs = self._shard.gather_rows(srcs, [view2d(p).shape[0] for p, _ in pending])
         self.ops.scatter_columns_multi([view2d(p.detach()) for p, _ in pending],
                                        [self._host_idx_on_device(p, st) for p, st in pending],
                                        srcs)
@@ -690,22 +682,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         holds this rank's rows by all the rows, gathered from every rank (one all-gather per
         dtype; every rank gets the full form, which loads into any world size)."""
         params = [p for g in self.param_groups for p in g["params"]]
-        items = []
-        for i, st in sorted(state.items()):
-            if st.get("kind") != MATRIX:
-                continue
-            for key in ("host_master", "host_m", "host_v", "acc"):
-                if isinstance(st.get(key), torch.Tensor):
-                    items.append((i, key, st[key], view2d(params[i]).shape[0]))
-        by_dtype: dict[torch.dtype, list] = {}
-        for item in items:
-            by_dtype.setdefault(item[2].dtype, []).append(item)
-        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            group = by_dtype[dtype]
-            full = self._shard.gather_rows([t.to(self._shard.device) for _, _, t, _ in group],
-                                           [rows for *_, rows in group])
-            for (i, key, _, _), t in zip(group, full):
-                state[i][key] = t.cpu()
+        items = [(i, key) for i, st in sorted(state.items()) if st.get("kind") == MATRIX
+                 for key in ROW_SHARDED if isinstance(st.get(key), torch.Tensor)]
+        full = self._shard.gather_rows([state[i][key].to(self._shard.device) for i, key in items],
+                                       [view2d(params[i]).shape[0] for i, _ in items])
+        for (i, key), t in zip(items, full):
+            state[i][key] = t.cpu()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; device state goes to each param's device, host state to
@@ -768,21 +750,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if kind not in (MATRIX, SMALL):
             raise ValueError(f"state for {self._param_name(p)} has unknown kind {kind!r}")
         st: dict[str, Any] = {}
-        acc_on_host = self.config.accumulate_on == "host"
         for key, value in saved.items():
             if key == "acc" and saved.get("acc_count", 0) == 0:
                 continue  # no open window: no accumulator to hold (made when one opens)
             if not isinstance(value, torch.Tensor):
                 st[key] = value
                 continue
-            if kind == MATRIX and key in ("host_master", "host_m", "host_v", "acc"):
+            if kind == MATRIX and key in ROW_SHARDED:
                 value = self._own_rows(p, key, value)  # this rank's rows of a full form
             is_idx = key.endswith("_idx")
             dtype = (torch.long if is_idx
                      else self.config.host_moment_dtype if key in ("host_m", "host_v")
                      else self.config.accumulator_torch_dtype if key == "acc"
                      else torch.float32)
-            if key.startswith("host_") or (key == "acc" and acc_on_host):
+            if state_side(key, self.config.accumulate_on) == "host":
                 st[key] = to_host_memory(value, dtype)  # straight to host memory
             else:
                 st[key] = value.to(device=p.device, dtype=dtype, copy=True)

@@ -21,6 +21,10 @@ from typing import Sequence
 import torch
 
 
+ROW_SHARDED = ("host_master", "host_m", "host_v", "acc")
+"""The state a rank keeps only its rows of: the host halves and the window accumulator."""
+
+
 class ShardError(RuntimeError):
     """Another rank failed (its host worker raised, or it timed out)."""
 
@@ -61,11 +65,25 @@ class RowShard:
     # ------------------------------------------------------------------ collectives
     def gather_rows(self, parts: Sequence[torch.Tensor], totals: Sequence[int]
                     ) -> list[torch.Tensor]:
-        """Every rank gives its rows ``parts[i]`` (``[r1 - r0, n_i]``, one dtype and device
-        for all); each gets back the full ``[totals[i], n_i]``: one all-gather for all parts
-        (each rank's rows padded to ``chunk``)."""
+        """Every rank gives its rows ``parts[i]`` (``[r1 - r0, n_i]``); each gets back the
+        full ``[totals[i], n_i]``, in order: one all-gather per (device, dtype) of the parts,
+        in the order they first appear (the same on every rank, which gives the same parts),
+        each rank's rows padded to ``chunk``."""
         if not self.sharded:
             return list(parts)
+        kinds: dict[tuple, list[int]] = {}
+        for i, part in enumerate(parts):
+            kinds.setdefault((part.device, part.dtype), []).append(i)
+        out: list[torch.Tensor] = [None] * len(parts)  # type: ignore[list-item]
+        for members in kinds.values():
+            full = self._gather_kind([parts[i] for i in members], [totals[i] for i in members])
+            for i, t in zip(members, full):
+                out[i] = t
+        return out
+
+    def _gather_kind(self, parts: Sequence[torch.Tensor], totals: Sequence[int]
+                     ) -> list[torch.Tensor]:
+        """:meth:`gather_rows` of parts of one device and dtype: one all-gather."""
         import torch.distributed as dist
 
         dtype, device = parts[0].dtype, parts[0].device
@@ -86,8 +104,7 @@ class RowShard:
         off = 0
         for total, width, size in zip(totals, widths, sizes):
             chunk = self.chunk(total)
-            rows = every[:, off:off + size].reshape(self.world * chunk, width)[:total]
-            out.append(rows)
+            out.append(every[:, off:off + size].reshape(self.world * chunk, width)[:total])
             off += size
         return out
 

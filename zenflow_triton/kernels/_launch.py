@@ -37,18 +37,14 @@ LAUNCHES: "collections.Counter[str]" = collections.Counter()
 grows: tests and benchmarks read differences). Lets a CPU run count what a GPU would launch."""
 
 
-def launched(kernel) -> None:
-    """Count one launch of ``kernel`` (call right before launching it)."""
-    LAUNCHES[getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None),
-                                                          "__name__", str(kernel))] += 1
-
-
 def launching(kernel, tensor: torch.Tensor):
     """``with launching(kernel, t):`` around a launch on ``t``'s device: counts it, and makes
     ``t``'s GPU the current one when it is not (Triton launches on the current device and
     its current stream, so a param on ``cuda:1`` needs ``cuda:1`` current). A no-op context
-    on one GPU and on CPU."""
-    launched(kernel)
+    on one GPU and on CPU. Every launch of this package's launchers goes through here,
+    counted in :data:`LAUNCHES` by kernel name."""
+    LAUNCHES[getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None),
+                                                          "__name__", str(kernel))] += 1
     dev = tensor.device
     if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
         return torch.cuda.device(dev)
