@@ -237,9 +237,8 @@ class CopyIn:
     """
 
     def __init__(self, link: Link, pairs) -> None:
-        """``pairs``: ``(host dst, device src, zero, divisor or None)``, dst contiguous with
-        as many elements as src; ``zero``: False, True (zero src after its copy) or a tensor
-        to zero after the copy (the whole accumulator ``src`` is some rows of)."""
+        """``pairs``: ``(host dst, device src, zero src, divisor or None)``, dst contiguous
+        with as many elements as src."""
         self._host: list = []  # CPU sources, copied by the job's thread
         self._done: dict[torch.device, object] = {}  # CUDA: device -> event, set once
         self._released = False
@@ -247,7 +246,7 @@ class CopyIn:
         for dst, src, zero, divisor in pairs:
             if dst.numel() != src.numel():
                 raise ValueError(f"copy-in: {tuple(src.shape)} into {tuple(dst.shape)}")
-            if divisor is not None and zero is False:
+            if divisor is not None and not zero:
                 raise ValueError("copy-in: only a source that is zeroed after its copy (an "
                                  "accumulator) may be divided in place")
             link._count(d2h=dst.numel() * dst.element_size(), async_=1)
@@ -261,8 +260,8 @@ class CopyIn:
             with torch.cuda.stream(stream):
                 for dst, src, zero, divisor in members:
                     dst.view(-1).copy_(self._wire(src, dst.dtype, divisor), non_blocking=True)
-                    if zero is not False:
-                        (src if zero is True else zero).zero_()
+                    if zero:
+                        src.zero_()
                     src.record_stream(stream)
                 self._done[dev] = stream.record_event()
 
@@ -293,8 +292,8 @@ class CopyIn:
         for the CUDA ones."""
         for dst, src, zero, divisor in self._host:
             dst.view(-1).copy_(self._wire(src, dst.dtype, divisor))
-            if zero is not False:
-                (src if zero is True else zero).zero_()
+            if zero:
+                src.zero_()
         for event in self._done.values():
             wait_event(event, timeout, "the copy-in of a host job")
 

@@ -71,8 +71,9 @@ class Window:
     store_into: torch.Tensor | None = None
     outbox: torch.Tensor | None = None
     rows: tuple[int, int] | None = None
-    """Data parallelism: the rows ``[r0, r1)`` of a device source ``grad`` this rank's host
-    half keeps (it copies only those; a device accumulator is zeroed whole)."""
+    """Data parallelism: the rows ``[r0, r1)`` of a ``"direct"`` source (the whole gradient's
+    columns) this rank's host half keeps: it copies only those (an accumulator already holds
+    this rank's rows only)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -137,8 +138,9 @@ class HostPipeline:
         self._adds = live
 
     def wait_copy_in(self) -> None:
-        """Block until the job in flight has copied its window's gradients off the device
-        sources (they are on loan to it until then)."""
+        """Before the next write to a source on loan to the job in flight (an accumulator):
+        on CUDA the training stream waits for the job's copy-in (this thread does not); on
+        CPU this thread waits until the job's thread has made it."""
         if self._copy_in is None:
             return
         copy_in, copied_in = self._copy_in
@@ -164,10 +166,8 @@ class HostPipeline:
         the apply is one plain copy per arena, which does not block the training thread."""
         assert self._inflight is None, "a host job is still in flight"
         tasks = []
-        stage: list[tuple] = []  # (host dst, src, zero, divisor or None): see CopyIn
-        zero_at_end: list[torch.Tensor] = []  # streamed sources to zero whole after the job
+        stage: list[tuple] = []  # (host dst, src, zero src, divisor or None): see CopyIn
         stored: list[Hashable] = []
-        outboxes: dict[Hashable, torch.Tensor] = {}  # planned once the loop is done
         box_items = []
         devices: set[torch.device] = set()
         queue = None  # the job's CopyQueue, made below once the devices are known
@@ -214,7 +214,7 @@ class HostPipeline:
                 box_items.append((w.key, w.master.shape, w.outbox.dtype, w.outbox.device))
         # Outboxes first: a staged window's gradient is staged in its own outbox (the
         # param's dtype), which then carries the result back.
-        outboxes.update(self._outboxes.plan(box_items))
+        outboxes = self._outboxes.plan(box_items)
         for w in windows:
             load = store = None
             hyper = w.hyper
@@ -228,11 +228,8 @@ class HostPipeline:
                     grad, load = None, staged_load(w.grad.view(-1))
                 zero_after = w.grad.view(-1)
             else:
-                zero_src = w.source == "device_acc"
+                zero_src = w.source == "device_acc"  # (holds this rank's rows only)
                 src = w.grad if w.rows is None else w.grad[w.rows[0]:w.rows[1]]
-                # A device accumulator is zeroed whole once copied: this rank's rows and the
-                # rows other ranks copy (data parallelism) alike.
-                zero_what = (w.grad if w.rows is not None else True) if zero_src else False
                 # A window sum is divided before it crosses; rounded when the param is not
                 # fp32 (so the host's gradient is the mean in the param's dtype).
                 divisor = hyper.grad_divisor if zero_src else None
@@ -240,17 +237,15 @@ class HostPipeline:
                 if apply_now:  # streamed: never races the job
                     self.link.count_d2h(src.numel() * src.element_size())
                     rounds = divisor is not None and w.dtype != torch.float32
-                    grad, load = None, piece_load(src.reshape(-1), zero_what is True,
+                    grad, load = None, piece_load(src.reshape(-1), zero_src,
                                                   divisor if rounds else None, w.dtype)
-                    if zero_what is not True and zero_what is not False:
-                        zero_at_end.append(zero_what)  # rows this rank does not load
                     if rounds:
                         hyper = replace(hyper, grad_divisor=1.0)
                 else:  # staged in the param's dtype: its outbox, or a buffer of its own
                     staged = outboxes.get(w.key)
                     if staged is None:
                         staged = self._reusable(w.key, src.shape, w.dtype)
-                    stage.append((staged, src, zero_what, divisor))
+                    stage.append((staged, src, zero_src, divisor))
                     hyper = replace(hyper, grad_divisor=1.0)
                     if staged.dtype == torch.float32:
                         grad = staged.view(w.master.shape)
@@ -282,8 +277,6 @@ class HostPipeline:
                 copied_in.set()
             try:
                 adamw.update_many(tasks)  # every param of the window in one pool dispatch
-                for t in zero_at_end:
-                    queue.zero_(t)
                 queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
             except BaseException:
                 try:  # a failed job still finishes what it queued
@@ -296,7 +289,7 @@ class HostPipeline:
         self._copy_in = (copy_in, copied_in)
         self._stored = stored
         self._job_outbox = outboxes
-        if any(zero is False for _, _, zero, _ in stage):
+        if any(not zero_src for _, _, zero_src, _ in stage):
             # A param's own .grad: the caller may overwrite it once step() returns.
             self.wait_copy_in()
 
