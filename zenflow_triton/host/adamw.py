@@ -53,9 +53,10 @@ from ..adamw_math import adamw_
 from ..transfer import host_empty
 
 ALIGN = 64
+"""Pieces start at multiples of this many elements (see the module docstring)."""
+
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes the moments m and v may be stored in (the master is always fp32)."""
-"""Pieces start at multiples of this many elements (see the module docstring)."""
 
 MIN_PIECE = 1 << 16
 """A batch is split finer than ``chunk_size`` so every worker gets work (about
@@ -348,8 +349,7 @@ class HostAdamW:
                                f"{torch.__version__}; use kernel='reference'")
         self.kernel = kernel
         self._scratch_lock = threading.Lock()
-        self._scratch_bytes = 0
-        self._moment_scratch_bytes = 0
+        self._buffer_bytes = {"scratch": 0, "moment_scratch": 0}  # all workers' buffers
         self._pool: _Pool | None = _Pool(threads, "zenflow-host-adamw", cores)
         _OPEN.add(self)
 
@@ -395,11 +395,11 @@ class HostAdamW:
 
     def scratch_bytes(self) -> int:
         """Bytes of the workers' scratch buffers (the bounded staging of piece-wise loads)."""
-        return self._scratch_bytes
+        return self._buffer_bytes["scratch"]
 
     def moment_scratch_bytes(self) -> int:
         """Bytes of the workers' fp32 copies of low-precision moment pieces (pageable)."""
-        return self._moment_scratch_bytes
+        return self._buffer_bytes["moment_scratch"]
 
     def close(self) -> None:
         """Stop the workers after the work in flight; idempotent, bounded by ``timeout``."""
@@ -539,27 +539,27 @@ class HostAdamW:
                 io.store(s, e)
 
     def _scratch(self, n: int) -> torch.Tensor:
-        """This worker's scratch buffer of at least ``n`` fp32 elements (pinned where CUDA
-        exists), kept for the next batch; at most one batch's worth (``_plan`` bounds it)."""
-        local = self._pool.local
-        buf = getattr(local, "scratch", None)
-        if buf is None or buf.numel() < n:
-            old = 0 if buf is None else buf.numel() * 4
-            local.scratch = buf = host_empty((n,))
-            with self._scratch_lock:
-                self._scratch_bytes += n * 4 - old
-        return buf
+        """This worker's scratch buffer of at least ``n`` fp32 elements for loaded gradient
+        pieces (pinned where CUDA exists: a piece may be copied from the device into it)."""
+        return self._worker_buffer("scratch", n, host_empty)
 
     def _moment_scratch(self, n: int) -> torch.Tensor:
         """This worker's fp32 buffer of at least ``n`` elements for low-precision moments
-        (pageable: it never crosses the link), kept for the next batch."""
+        (pageable: it never crosses the link)."""
+        return self._worker_buffer("moment_scratch", n, torch.empty)
+
+    def _worker_buffer(self, name: str, n: int, alloc) -> torch.Tensor:
+        """This worker's fp32 buffer ``name`` of at least ``n`` elements, made by
+        ``alloc((n,))`` and kept for the next batch (at most one batch's worth: ``_plan``
+        bounds it); its bytes are counted in ``self._buffer_bytes[name]``."""
         local = self._pool.local
-        buf = getattr(local, "mscratch", None)
+        buf = getattr(local, name, None)
         if buf is None or buf.numel() < n:
             old = 0 if buf is None else buf.numel() * 4
-            local.mscratch = buf = torch.empty(n)
+            buf = alloc((n,))
+            setattr(local, name, buf)
             with self._scratch_lock:
-                self._moment_scratch_bytes += n * 4 - old
+                self._buffer_bytes[name] += n * 4 - old
         return buf
 
     def _wait(self, pool: _Pool, futures: list[Future], batches) -> None:
