@@ -101,13 +101,13 @@ def test_counting_sees_syncs_in_library_code_only():
     from .counting import counting
 
     p, link = torch.randn(6, 10), Link()
-    st = init_matrix_state(p, link, "device")
+    st = init_matrix_state(p, link)
     migrate(p, st, torch.tensor([1, 4]), beta1=0.9, beta2=0.999, ops=get_ops("torch"),
-            link=link, accumulate_on="device")
+            link=link)
     with counting(link) as c:
         torch.ones(()).item()  # the test's, not the library's
         migrate(p, st, torch.tensor([2, 4]), beta1=0.9, beta2=0.999, ops=get_ops("torch"),
-                link=link, accumulate_on="device")
+                link=link)
     assert any(".cpu() at partition.py" in s for s in c.sync_sites), c.sync_sites
     assert "a blocking transfer (Link)" in c.sync_sites
     assert c.syncs == 2, c.sync_sites

@@ -37,9 +37,8 @@ def make_state(dtype):
     p = torch.randn(5, 8).to(dtype)
     link = Link()
     ops = get_ops("torch")
-    st = init_matrix_state(p, link, "device")
-    migrate(p, st, torch.tensor([0, 1]), beta1=B1, beta2=B2, ops=ops, link=link,
-            accumulate_on="device")
+    st = init_matrix_state(p, link)
+    migrate(p, st, torch.tensor([0, 1]), beta1=B1, beta2=B2, ops=ops, link=link)
     # Give both halves distinct, non-trivial state and different step counts, as after
     # 8 device steps and 2 host windows.
     st["device_m"].copy_(torch.randn_like(st["device_m"]))
@@ -63,8 +62,7 @@ def test_columns_moving_each_way_keep_their_adam_state():
         raw = {k: st[k].clone() for k in ("device_m", "device_v", "host_m", "host_v")}
         before = link.bytes_d2h, link.bytes_h2d
         # Column 1 leaves the device, column 6 enters it; column 0 stays.
-        moved = migrate(p, st, torch.tensor([0, 6]), beta1=B1, beta2=B2, ops=ops, link=link,
-                        accumulate_on="device")
+        moved = migrate(p, st, torch.tensor([0, 6]), beta1=B1, beta2=B2, ops=ops, link=link)
         assert moved == 2
         assert st["device_idx"].tolist() == [0, 6]
         assert st["host_idx"].tolist() == [1, 2, 3, 4, 5, 7]
@@ -94,8 +92,7 @@ def test_columns_moving_each_way_keep_their_adam_state():
 def test_unchanged_selection_moves_nothing():
     p, st, ops, link = make_state(torch.float32)
     snap = {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-    assert migrate(p, st, torch.tensor([0, 1]), beta1=B1, beta2=B2, ops=ops, link=link,
-                   accumulate_on="device") == 0
+    assert migrate(p, st, torch.tensor([0, 1]), beta1=B1, beta2=B2, ops=ops, link=link) == 0
     for k, v in snap.items():
         assert torch.equal(st[k], v)
 

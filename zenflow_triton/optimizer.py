@@ -295,8 +295,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor) -> None:
         if classify(p, self.config) == MATRIX:
-            self.state[p] = init_matrix_state(p, self.link, self.config.accumulate_on,
-                                              self.config.host_moment_dtype,
+            self.state[p] = init_matrix_state(p, self.link, self.config.host_moment_dtype,
                                               self._shard.rows(p.shape[0]))
             return
         st = {"kind": SMALL, "step": 0,
@@ -336,8 +335,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 moves.append(Move(p, self.state[p], flat[off:off + n], beta1, beta2))
                 off += n
         self._counters["columns_migrated"] += migrate_many(
-            moves, ops=self.ops, link=self.link, accumulate_on=self.config.accumulate_on,
-            host_idx_on_device=self._host_idx_dev, shard=self._shard)
+            moves, ops=self.ops, link=self.link, host_idx_on_device=self._host_idx_dev,
+            shard=self._shard)
 
     # ------------------------------------------------------------------ device half
     def _device_half(self, work, single_step_window: bool) -> dict:

@@ -69,7 +69,7 @@ def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[f
             (1.0 - beta2 ** s_dst) / (1.0 - beta2 ** s_src))
 
 
-def init_matrix_state(p: torch.Tensor, link: Link, accumulate_on: str,
+def init_matrix_state(p: torch.Tensor, link: Link,
                       moment_dtype: torch.dtype = torch.float32,
                       host_rows: tuple[int, int] | None = None) -> dict:
     """Every column host-owned, zero moments (host ones in ``moment_dtype``), fp32 master
@@ -124,11 +124,11 @@ def state_side(key: str, accumulate_on: str) -> str:
 
 
 def migrate(p: torch.Tensor, st: dict, new_idx: torch.Tensor, *, beta1: float, beta2: float,
-            ops: KernelOps, link: Link, accumulate_on: str) -> int:
+            ops: KernelOps, link: Link) -> int:
     """:func:`migrate_many` for one param; ``new_idx`` the new device-owned columns (any
     device, sorted)."""
     return migrate_many([Move(p, st, new_idx.cpu().numpy(), beta1, beta2)], ops=ops,
-                        link=link, accumulate_on=accumulate_on)
+                        link=link)
 
 
 @dataclass
@@ -141,7 +141,7 @@ class Move:
     beta2: float
 
 
-def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link, accumulate_on: str,
+def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link,
                  host_idx_on_device: dict | None = None, shard=None) -> int:
     """Make each move's ``new_idx`` the device-owned columns of its param, carrying the fp32
     master and moments of the columns that change owner (rescaled so their bias-corrected
@@ -180,8 +180,7 @@ def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link, accumulat
     for plan in plans:
         by_device.setdefault(plan["p"].device, []).append(plan)
     for dev, group in by_device.items():
-        moved += _migrate_on(dev, group, ops=ops, link=link, accumulate_on=accumulate_on,
-                             shard=shard)
+        moved += _migrate_on(dev, group, ops=ops, link=link, shard=shard)
         if host_idx_on_device is not None:
             for plan in group:
                 host_idx_on_device[plan["p"]] = (plan["st"]["host_idx"], plan["new_host_d"])
@@ -232,7 +231,7 @@ def _plan(mv: Move, rows: int, cols: int, owner_old: np.ndarray, owner_new: np.n
 
 
 def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
-                accumulate_on: str, shard=None) -> int:
+                shard=None) -> int:
     sharded = shard is not None and shard.sharded
     # Index tables for the device, in one non-blocking copy: per param new_dev, leave_pos,
     # dev_pos, enter, new_host.
