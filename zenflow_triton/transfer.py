@@ -132,9 +132,7 @@ class Link:
         if src.device.type != "cuda":
             out.copy_(src)
             return out, lambda timeout: None
-        stream = self._stream(src.device, "d2h")
-        stream.wait_event(torch.cuda.current_stream(src.device).record_event())
-        with torch.cuda.stream(stream):
+        with self._down_stream(src.device) as stream:
             out.copy_(src, non_blocking=True)
             done = stream.record_event()
         src.record_stream(stream)
@@ -206,6 +204,16 @@ class Link:
         """Bytes of every thread's bounce buffers (link buffers: pinned where CUDA exists)."""
         return self._bounce_bytes
 
+    @contextlib.contextmanager
+    def _down_stream(self, device: torch.device):
+        """Run the body on this link's device-to-host copy stream of ``device``, after the
+        work queued so far on its current stream (the kernels that wrote what is copied);
+        yields the stream."""
+        stream = self._stream(device, "d2h")
+        stream.wait_event(torch.cuda.current_stream(device).record_event())
+        with torch.cuda.stream(stream):
+            yield stream
+
     def _stream(self, device: torch.device, direction: str):
         """This link's copy stream of ``direction`` ("d2h" or "h2d") on a CUDA ``device``
         (created once, then reused): one per direction, so a copy up never queues behind a
@@ -255,9 +263,7 @@ class CopyIn:
             else:
                 self._host.append((dst, src, zero, divisor))
         for dev, members in by_device.items():
-            stream = link._stream(dev, "d2h")
-            stream.wait_event(torch.cuda.current_stream(dev).record_event())
-            with torch.cuda.stream(stream):
+            with link._down_stream(dev) as stream:
                 for dst, src, zero, divisor in members:
                     dst.view(-1).copy_(self._wire(src, dst.dtype, divisor), non_blocking=True)
                     if zero:
