@@ -42,7 +42,7 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
 class StudyMismatchError(ValueError):
-    """The study exists with a different objective (workload, steps, lr, seed, tolerance...)."""
+    """The study exists with a different objective (workload, steps, lr, seed, loss_margin...)."""
 
 
 def data_dir() -> Path:
@@ -200,6 +200,12 @@ def check_or_store_objective(study: optuna.Study, ts: TuneSettings,
     if stored is None:
         study.set_user_attr("objective", ts.to_dict())
         return ts
+    if "tolerance" in stored:
+        raise StudyMismatchError(
+            f"study {study.study_name!r} was created by an older zenflow-tune whose quality "
+            f"guard kept a fraction of AdamW's loss reduction (tolerance="
+            f"{stored['tolerance']}); today's guard is a margin over AdamW's loss "
+            "(--loss-margin), so its trials are not comparable. Choose a new --study name.")
     stored_ts = TuneSettings.from_dict(stored)
     explicit = set(ts.to_dict()) if explicit is None else explicit
     mine, theirs = ts.to_dict(), stored_ts.to_dict()
@@ -359,8 +365,8 @@ def profile_from_study(study: optuna.Study, best: FrozenTrial, name: str, *,
             "initial_heldout_loss": ref.get("initial_loss"),
         },
         "tune_settings": ts,
-        "note": "Throughput maximised subject to held-out loss within tolerance of AdamW "
-                "(fraction of AdamW's loss reduction); see autotune/objective.py.",
+        "note": "Throughput maximised subject to held-out loss within loss_margin of "
+                "AdamW's held-out loss; see autotune/objective.py.",
     }
     settings = dict(best.user_attrs["settings"])
     return Profile(name=name, settings=settings, hardware=hardware, provenance=provenance,

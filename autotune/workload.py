@@ -1,5 +1,6 @@
-"""Workloads the tuner trains: the embedded default (a tiny decoder LM on Python's own docs)
-and user workloads given as ``--workload module:function``.
+"""Workloads the tuner trains: the embedded default (a tiny decoder LM pretrained on Python
+code, fine-tuned on Python's own docs), the same LM from scratch, and user workloads given as
+``--workload module:function``.
 
 The user workload contract
 --------------------------
@@ -27,18 +28,25 @@ import importlib
 import inspect
 import itertools
 import math
+import os
 import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Workload", "WorkloadError", "tiny_lm", "load_workload_factory", "build_workload",
-           "DEFAULT_WORKLOAD"]
+__all__ = ["Workload", "WorkloadError", "tiny_lm", "tiny_lm_finetune", "load_workload_factory",
+           "build_workload", "DEFAULT_WORKLOAD", "SCRATCH_WORKLOAD"]
 
-DEFAULT_WORKLOAD = "tinylm"
+DEFAULT_WORKLOAD = "tinylm-ft"
+"""The embedded default: the tiny LM, pretrained once on part of Python's docs, fine-tuned on
+another part (:func:`tiny_lm_finetune`)."""
+SCRATCH_WORKLOAD = "tinylm"
+"""The tiny LM trained from scratch (:func:`tiny_lm`): ZenFlow's hardest case."""
 
 
 class WorkloadError(RuntimeError):
@@ -85,12 +93,39 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 
 
 # ---- the embedded default: a tiny decoder LM on pydoc_data.topics -----------------------
+def _bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
 def _corpus() -> torch.Tensor:
     """Python's own documentation topics (ships with CPython), as bytes."""
     import pydoc_data.topics as topics
 
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+    return _bytes("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
+
+
+PRETRAIN_MODULES = ("argparse", "ast", "calendar", "configparser", "contextlib", "dataclasses",
+                    "difflib", "enum", "fractions", "functools", "heapq", "inspect", "shlex",
+                    "statistics", "string", "textwrap", "typing")
+"""Standard-library modules whose Python source (about 0.9 MB) is the pretraining text."""
+
+
+def _pretraining_text() -> torch.Tensor:
+    """The source code of :data:`PRETRAIN_MODULES`, as bytes (it ships with CPython)."""
+    import importlib.util
+
+    parts = []
+    for name in PRETRAIN_MODULES:
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None else None
+        if not origin or not origin.endswith(".py") or not os.path.exists(origin):
+            raise WorkloadError(
+                f"the '{DEFAULT_WORKLOAD}' workload pretrains on the standard library's "
+                f"source, but module {name!r} has none here ({origin}); use --workload "
+                f"{SCRATCH_WORKLOAD} (from scratch) instead")
+        with open(origin, encoding="utf-8") as f:
+            parts.append(f.read())
+    return _bytes("\n\n".join(parts))
 
 
 class _Block(nn.Module):
@@ -147,8 +182,9 @@ def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 def tiny_lm(seed: int = 0, device: torch.device | str = "cpu", *, d: int = 128,
             n_layers: int = 2, n_heads: int = 4, seq_len: int = 64, batch_size: int = 16,
             heldout_batches: int = 4) -> Workload:
-    """The embedded default workload: a ~0.45M-parameter byte-level decoder LM trained on the
-    text of ``pydoc_data.topics`` (no download). Last 10% of the text is held out."""
+    """A ~0.47M-parameter byte-level decoder LM trained from scratch on the text of
+    ``pydoc_data.topics`` (no download; workload name ``tinylm``). Last 10% of the text is
+    held out."""
     device = torch.device(device)
     data = _corpus()
     split = int(0.9 * data.numel())
@@ -170,7 +206,89 @@ def tiny_lm(seed: int = 0, device: torch.device | str = "cpu", *, d: int = 128,
     heldout = [windows(held, torch.randint(0, held.numel() - seq_len - 1, (batch_size,),
                                            generator=hg)) for _ in range(heldout_batches)]
     return Workload(model=model, batches=batches(), loss_fn=_lm_loss, heldout=heldout,
-                    items_per_batch=batch_size * seq_len, unit="tokens", name=DEFAULT_WORKLOAD)
+                    items_per_batch=batch_size * seq_len, unit="tokens", name=SCRATCH_WORKLOAD)
+
+
+PRETRAIN_STEPS = 600
+PRETRAIN_LR = 3e-3
+_PRETRAIN_VERSION = 1  # bump when the pretraining recipe changes: old cache files are ignored
+
+
+def cache_dir() -> Path:
+    """Where derived artefacts (the pretrained tiny LM) are cached: ``$ZENFLOW_CACHE``, else
+    ``$XDG_CACHE_HOME/zenflow-triton``, else ``~/.cache/zenflow-triton``."""
+    env = os.environ.get("ZENFLOW_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "zenflow-triton"
+
+
+def _pretrain_tiny_lm(d: int, n_layers: int, n_heads: int, seq_len: int) -> dict:
+    """Train the tiny LM with torch.optim.AdamW on :func:`_pretraining_text` (seed 0, batch
+    32, cosine decay to zero, gradient clipping at 1.0) and return its state_dict."""
+    pre = _pretraining_text()
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = TinyDecoderLM(d=d, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
+        opt = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / PRETRAIN_STEPS)))
+        for _ in range(PRETRAIN_STEPS):
+            off = torch.randint(0, pre.numel() - seq_len - 1, (32,), generator=g)
+            w = pre[off[:, None] + torch.arange(seq_len + 1)[None, :]]
+            loss = _lm_loss(model, (w[:, :-1], w[:, 1:]))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+    return model.state_dict()
+
+
+def pretrained_tiny_lm_state(*, d: int = 128, n_layers: int = 2, n_heads: int = 4,
+                             seq_len: int = 64,
+                             on_miss: Callable[[], None] | None = None) -> dict:
+    """The pretrained tiny LM's weights: loaded from the cache, else trained (about 40 s on
+    2 CPU cores) and cached; ``on_miss()`` is called before training. A cache file that
+    cannot be read is replaced, with a warning."""
+    name = (f"tinylm-pretrained-v{_PRETRAIN_VERSION}-d{d}-l{n_layers}-h{n_heads}-t{seq_len}"
+            f"-s{PRETRAIN_STEPS}.pt")
+    path = cache_dir() / name
+    if path.exists():
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # corrupt or truncated: retrain below
+            warnings.warn(f"ignoring unreadable cached pretrained model {path}: {e}",
+                          stacklevel=2)
+    if on_miss is not None:
+        on_miss()
+    state = _pretrain_tiny_lm(d, n_layers, n_heads, seq_len)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError as e:
+        warnings.warn(f"could not cache the pretrained tiny LM at {path}: {e}", stacklevel=2)
+    return state
+
+
+def tiny_lm_finetune(seed: int = 0, device: torch.device | str = "cpu", *, d: int = 128,
+                     n_layers: int = 2, n_heads: int = 4, seq_len: int = 64,
+                     batch_size: int = 16, heldout_batches: int = 4) -> Workload:
+    """The embedded default workload, a fine-tuning job: the tiny LM of :func:`tiny_lm`,
+    pretrained once with AdamW on Python code (the standard library's source, cached on
+    disk, see :func:`pretrained_tiny_lm_state`), fine-tuned on English prose (the text of
+    ``pydoc_data.topics``, last 10% held out, exactly the data of :func:`tiny_lm`). The
+    pretrained weights do not depend on ``seed``; the batch order does."""
+    wl = tiny_lm(seed=seed, device=device, d=d, n_layers=n_layers, n_heads=n_heads,
+                 seq_len=seq_len, batch_size=batch_size, heldout_batches=heldout_batches)
+    wl.model.load_state_dict(pretrained_tiny_lm_state(d=d, n_layers=n_layers, n_heads=n_heads,
+                                                      seq_len=seq_len))
+    wl.name = DEFAULT_WORKLOAD
+    return wl
 
 
 def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int = 128,
@@ -224,13 +342,16 @@ def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int =
 
 # ---- loading ------------------------------------------------------------------------------
 def load_workload_factory(spec: str | None) -> tuple[str, Callable[..., Any]]:
-    """``None``/``"tinylm"`` -> the embedded default; ``"module:function"`` -> that function
-    (the current directory is importable, as for ``python -m``)."""
+    """``None``/``"tinylm-ft"`` -> the embedded default (fine-tuning); ``"tinylm"`` -> the
+    tiny LM from scratch; ``"module:function"`` -> that function (the current directory is
+    importable, as for ``python -m``)."""
     if spec in (None, "", DEFAULT_WORKLOAD):
-        return DEFAULT_WORKLOAD, tiny_lm
+        return DEFAULT_WORKLOAD, tiny_lm_finetune
+    if spec == SCRATCH_WORKLOAD:
+        return SCRATCH_WORKLOAD, tiny_lm
     if ":" not in spec:
-        raise WorkloadError(f"--workload must be 'module:function' (or '{DEFAULT_WORKLOAD}'), "
-                            f"got {spec!r}")
+        raise WorkloadError(f"--workload must be 'module:function', '{DEFAULT_WORKLOAD}' or "
+                            f"'{SCRATCH_WORKLOAD}', got {spec!r}")
     mod_name, _, fn_name = spec.partition(":")
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")

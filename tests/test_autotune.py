@@ -23,7 +23,7 @@ from autotune import cli
 from autotune import study as S
 from autotune import hardware
 from autotune.objective import (CONSTRAINT_ATTR, Objective, TuneSettings, is_feasible,
-                                measure_reference, quality_limit)
+                                measure_reference, quality_limit, DEFAULT_LOSS_MARGIN)
 from autotune.space import SearchSpace
 from autotune.workload import Workload, build_workload, tiny_lm
 from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer
@@ -105,16 +105,28 @@ def test_space_rejects_invalid_ranges(kw):
 
 
 # ---- quality guard and pruning ----------------------------------------------------------
-def test_quality_limit_is_a_fraction_of_adamw_improvement():
-    assert quality_limit(3.0, 0.25, initial_loss=5.0) == pytest.approx(3.5)
-    assert quality_limit(3.0, 0.0, initial_loss=5.0) == 3.0
-    # no improvement (or unknown initial loss): relative to the loss itself
-    assert quality_limit(3.0, 0.1, initial_loss=2.0) == pytest.approx(3.3)
-    assert quality_limit(3.0, 0.1) == pytest.approx(3.3)
+def test_quality_limit_is_a_margin_over_adamw_loss():
+    assert quality_limit(3.0, 0.02) == pytest.approx(3.06)
+    assert quality_limit(3.0, 0.0) == 3.0
+    assert quality_limit(-2.0, 0.1) == pytest.approx(-1.8)  # a negative loss: still above ref
+    assert TuneSettings().loss_margin == DEFAULT_LOSS_MARGIN <= 0.03  # the bound
+    with pytest.raises(ValueError, match="loss_margin"):
+        TuneSettings(loss_margin=-0.01)
+
+
+def test_a_study_made_with_the_old_guard_is_not_resumed(dirs):
+    url = f"sqlite:///{dirs / 'old.db'}"
+    study = optuna.create_study(study_name="old", storage=url, direction="maximize")
+    old = TuneSettings(workload="small").to_dict()
+    del old["loss_margin"]
+    old["tolerance"] = 0.25
+    study.set_user_attr("objective", old)
+    with pytest.raises(S.StudyMismatchError, match="tolerance=0.25.*--loss-margin"):
+        S.check_or_store_objective(study, TuneSettings(workload="small"))
 
 
 def test_quality_guard_marks_a_bad_setting_infeasible():
-    ts = TuneSettings(workload="small", steps=30, skip_steps=5, lr=3e-3, tolerance=0.25)
+    ts = TuneSettings(workload="small", steps=30, skip_steps=5, lr=3e-3, loss_margin=0.1)
     ref = measure_reference(small_lm, ts)
     assert ref["initial_loss"] > ref["heldout_loss"]  # AdamW learned something
     space = SearchSpace(update_interval_max=1024, max_host_threads=1)
@@ -177,10 +189,43 @@ def test_user_workload_tuple_contract_holds_out_first_batch():
     assert a.count(a.heldout[0]) == 5 and a.unit == "samples"
 
 
+def test_default_workload_is_the_cached_fine_tuning_job(tmp_path, monkeypatch):
+    from autotune import workload as W
+
+    monkeypatch.setenv("ZENFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(W, "PRETRAIN_STEPS", 3)  # the recipe, shortened
+    name, factory = W.load_workload_factory(None)
+    assert (name, factory) == (W.DEFAULT_WORKLOAD, W.tiny_lm_finetune)
+    assert W.load_workload_factory("tinylm") == (W.SCRATCH_WORKLOAD, W.tiny_lm)
+    kw = dict(d=32, n_layers=1, n_heads=2, seq_len=16, batch_size=4, heldout_batches=1)
+    a = W.tiny_lm_finetune(seed=0, **kw)
+    files = list((tmp_path / "cache").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".pt"
+    scratch = W.tiny_lm(seed=0, **kw)
+    # fine-tuning starts from the pretrained weights, on the data of the scratch workload
+    assert not torch.equal(a.model.head.weight, scratch.model.head.weight)
+    assert torch.equal(a.heldout[0][0], scratch.heldout[0][0])
+    # a second build loads the cache: pretraining must not run again
+    monkeypatch.setattr(W, "_pretrain_tiny_lm", lambda *a: pytest.fail("pretrained again"))
+    b = W.tiny_lm_finetune(seed=1, **kw)
+    for (k, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(x, y), k  # the pretrained weights do not depend on the seed
+    assert not torch.equal(next(iter(a.batches))[0], next(iter(b.batches))[0])
+    # a corrupt cache file is replaced, with a warning that names it
+    files[0].write_bytes(b"not a checkpoint")
+    monkeypatch.undo()
+    monkeypatch.setenv("ZENFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(W, "PRETRAIN_STEPS", 3)
+    with pytest.warns(UserWarning, match="unreadable cached pretrained model"):
+        c = W.tiny_lm_finetune(seed=0, **kw)
+    assert torch.equal(c.model.head.weight, a.model.head.weight)  # same recipe, same weights
+    torch.load(files[0], weights_only=True)  # rewritten whole
+
+
 # ---- end to end -------------------------------------------------------------------------
 def test_tiny_study_end_to_end_saves_a_profile_from_profile_loads(dirs):
     url = f"sqlite:///{dirs / 'e2e.db'}"
-    ts = TuneSettings(workload="small", steps=8, skip_steps=2, lr=3e-3, tolerance=1.0)
+    ts = TuneSettings(workload="small", steps=8, skip_steps=2, lr=3e-3, loss_margin=1.0)
     space = SearchSpace(max_host_threads=1)
     out = S.run_study(study_name="e2e", factory=small_lm, ts=ts, space=space, n_trials=3,
                       storage_url=url, profile_name="e2e-prof", log=lambda m: None)
@@ -218,7 +263,7 @@ def test_tiny_study_end_to_end_saves_a_profile_from_profile_loads(dirs):
     with pytest.raises(S.StudyMismatchError, match="steps"):
         S.run_study(study_name="e2e", factory=small_lm,
                     ts=TuneSettings(workload="small", steps=9, skip_steps=2, lr=3e-3,
-                                    tolerance=1.0), space=space, n_trials=4, storage_url=url,
+                                    loss_margin=1.0), space=space, n_trials=4, storage_url=url,
                     log=lambda m: None)
     # plots (optional dependency)
     pytest.importorskip("matplotlib")
@@ -251,7 +296,7 @@ def test_resume_after_sigkill_keeps_finished_trials_and_fails_the_killed_one(dir
                **{PROFILE_DIR_ENV: str(dirs / "profiles"), S.DATA_DIR_ENV: str(dirs / "data")})
     args = ["run", "--workload", "test_autotune:slow_workload", "--study", "kill",
             "--storage", url, "--steps", "12", "--skip-steps", "2", "--lr", "3e-3",
-            "--n-trials", "5", "--tolerance", "1.0", "--max-host-threads", "1",
+            "--n-trials", "5", "--loss-margin", "1.0", "--max-host-threads", "1",
             "--prune-ratio", "0.01", "--profile", "kill-prof",
             "--heartbeat-interval", "1", "--grace-period", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=ROOT, env=env,
