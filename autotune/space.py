@@ -17,6 +17,7 @@ Parameters (Optuna names):
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -100,7 +101,9 @@ class SearchSpace:
             "host_threads": self.host_threads_max,
         }
         if self.search_host_lr:
-            p["host_lr_exponent"] = 1.0  # "auto"
+            # host_lr_scale = ui ** e: 1.0 (the default) is e = 0, "auto" is e = 1
+            e = math.log(d.effective_host_lr_scale) / math.log(ui) if ui > 1 else 0.0
+            p["host_lr_exponent"] = clip(e, 0.0, 1.0)
         return p
 
     def to_dict(self) -> dict[str, Any]:

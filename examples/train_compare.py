@@ -71,8 +71,9 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=4)
-    ap.add_argument("--host-lr-scale", default="auto",
-                    help='"auto" (= update_interval) or a number; 1.0 = DeepSpeed semantics')
+    ap.add_argument("--host-lr-scale", default="1.0",
+                    help='a number (1.0, the default: ZenFlow/DeepSpeed semantics) or "auto" '
+                         '(= update_interval; overshoots at long windows, docs/design.md)')
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     setup = tinylm_setup if args.model == "tinylm" else smollm2_setup

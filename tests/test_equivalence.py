@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zenflow_triton import ZenFlowOptimizer
+from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer
 
 from .helpers import (FeedModel, GradFeed, assert_not_close, assert_trajectories_close,
                       batches, fp32_masters, loss_fn, make_model, param_groups, params_of,
@@ -57,7 +57,7 @@ def run_reference(feed, dtype=torch.float32, masters=False, clip=None, **cfg):
 
 def host_lr(cfg) -> float:
     """The largest lr any host update of ``cfg`` uses (warmup_lambda is at most 1)."""
-    scale = cfg.get("host_lr_scale", "auto")
+    scale = cfg.get("host_lr_scale", ZenFlowConfig().host_lr_scale)
     return LR * (cfg.get("update_interval", 4) if scale == "auto" else max(1.0, scale))
 
 
@@ -188,7 +188,7 @@ def test_auto_scale_is_the_window_gradient_count():
     w_full, w_late = full.detach().clone(), late.detach().clone()
     got = run(lambda ps: ZenFlowOptimizer(ps, lr=lr, weight_decay=0.0, topk_ratio=0.0,
                                           update_interval=4, overlap=False,
-                                          min_offload_numel=1))
+                                          min_offload_numel=1, host_lr_scale="auto"))
     want = run(lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0, foreach=False))
     # A constant gradient makes every AdamW step g / (|g| + eps): n steps travel n of them.
     assert_trajectories_close(got, want, 4, 4 * lr)
@@ -199,10 +199,11 @@ def test_auto_scale_is_the_window_gradient_count():
 # ------------------------------------------------------------------ against the reference
 SCHEDULES = [
     dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True),
-    dict(topk_ratio=0.1, update_interval=3, select_interval=6, overlap=False),
+    dict(topk_ratio=0.1, update_interval=3, select_interval=6, overlap=False,
+         host_lr_scale="auto"),
     dict(topk_ratio=0.3, update_interval=2, select_interval=4, overlap=True, warmup_steps=5),
     dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
-         host_lr_scale=1.0),
+         host_lr_scale="auto"),
     # every column host-owned, synchronous: the job streams the accumulator piece by piece
     # and writes the params itself
     dict(topk_ratio=0.0, update_interval=2, select_interval=4, overlap=False),

@@ -88,12 +88,14 @@ class ZenFlowConfig:
     """CPU cores the host AdamW threads are pinned to, e.g. cores the training loop does not
     use (Linux); None = no pinning (default). Never fatal: unusable cores only warn."""
 
-    host_lr_scale: Union[float, Literal["auto"]] = "auto"
-    """Host learning-rate multiplier (> 0) of every window after warm-up. "auto": the number of
-    gradients the param accumulated in the window (update_interval for a full window, 1 for a
-    one-step window such as ZeRO-Offload mode, fewer for a param that skipped steps), since a
-    deferred column gets one Adam step per window instead of one per step. 1.0 gives ZenFlow's
-    and DeepSpeed's semantics. Warm-up steps are plain AdamW: multiplier 1 whatever this is."""
+    host_lr_scale: Union[float, Literal["auto"]] = 1.0
+    """Host learning-rate multiplier (> 0) of every window after warm-up. 1.0 (the default):
+    one ordinary AdamW step per window, ZenFlow's and DeepSpeed's semantics; the rule that
+    never diverged and gave the best held-out loss in the step-size study (docs/design.md,
+    "The host step size"). "auto": the number of gradients the param accumulated in the
+    window (update_interval for a full window), so a deferred column travels about as far
+    per step as under AdamW; it overshoots and diverged at long windows in that study. Warm-up
+    steps are plain AdamW: multiplier 1 whatever this is."""
 
     check_finite: bool = True
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any
