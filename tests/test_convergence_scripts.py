@@ -1,0 +1,93 @@
+"""The convergence studies (bench/convergence/) are benchmarks, not tests, but the logic that
+turns their runs into a verdict is: the divergence rule, the rule choice, the report. Pinned
+here on synthetic rows, plus one short real run of the training loop."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "convergence"))
+
+import lr_scale  # noqa: E402
+import study  # noqa: E402
+import train  # noqa: E402
+from workloads import Job  # noqa: E402
+
+
+def _row(rule, interval, seed, final, init=2.0, topk=0.01, optimizer="zenflow"):
+    return dict(workload="w", optimizer=optimizer, rule=rule, interval=interval, topk=topk,
+                seed=seed, steps=10, lr=1e-3, init=init, final=final,
+                diverged=not math.isfinite(final) or final > init)
+
+
+def test_rule_choice_skips_a_rule_that_diverged_once_even_if_its_mean_is_best():
+    rows = [_row(None, None, s, 1.0, optimizer="adamw") for s in (0, 1)]
+    for k in lr_scale.INTERVALS:
+        for s in (0, 1):
+            rows.append(_row("1", k, s, 1.3))
+            rows.append(_row("sqrt", k, s, 1.1 if (k, s) != (16, 1) else 2.5))  # one above init
+            rows.append(_row("n", k, s, 1.2 if k < 16 else math.nan))
+    text, chosen = lr_scale.report(rows)
+    assert chosen == "1"
+    assert "DIV(1)" in text and "DIV(2)" in text
+    # without the divergence, sqrt (the lowest mean) would be chosen
+    fixed = [dict(r, final=1.1, diverged=False) if r["rule"] == "sqrt" else r for r in rows]
+    assert lr_scale.report(fixed)[1] == "sqrt"
+
+
+def test_every_rule_diverging_chooses_none():
+    rows = [_row(None, None, 0, 1.0, optimizer="adamw")]
+    rows += [_row(r, 2, 0, 9.0) for r in lr_scale.RULES]
+    text, chosen = lr_scale.report(rows)
+    assert chosen is None and "none is safe" in text
+
+
+def test_scale_rules():
+    assert lr_scale.scale_for("1", 16) == 1.0
+    assert lr_scale.scale_for("sqrt", 16) == 4.0
+    assert lr_scale.scale_for("n", 16) == "auto"
+
+
+def _tiny_job(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+    def batches():
+        while True:
+            i = torch.randint(0, 64, (16,), generator=g)
+            yield x[i], y[i]
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    def evaluate(m):
+        with torch.no_grad():
+            return {"loss": float(loss_fn(m, (x, y)))}
+
+    return Job("tiny", model, batches(), loss_fn, evaluate)
+
+
+@pytest.mark.parametrize("zenflow", [None, dict(topk_ratio=0.1, update_interval=2,
+                                                min_offload_numel=64)])
+def test_training_loop_warms_up_clips_evaluates_and_counts_host_windows(zenflow):
+    out = train.run(_tiny_job(), zenflow=zenflow, lr=1e-2, steps=12, eval_every=5)
+    assert [p["step"] for p in out["curve"]] == [0, 5, 10, 12]
+    assert out["final"]["loss"] < out["init"]["loss"] and not out["diverged"]
+    if zenflow:
+        assert out["host_windows"] >= 5  # 12 steps, windows of 2
+    rows = [dict(workload="minilm", optimizer="adamw" if zenflow is None else "zenflow",
+                 seed=0, **out)]
+    assert "| minilm |" in study.report(rows)
+
+
+def test_a_rising_loss_counts_as_diverged():
+    job = _tiny_job()
+    out = train.run(job, zenflow=None, lr=50.0, steps=6, eval_every=6)  # far too large
+    assert out["diverged"]
