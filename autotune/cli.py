@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .objective import DEFAULT_LOSS_MARGIN
+from .objective import DEFAULT_LOSS_MARGIN, DEFAULT_LR
 
 EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=_pos_int, help="training steps per trial")
     r.add_argument("--skip-steps", type=_nonneg_int,
                    help="first steps excluded from the throughput (warm-up)")
-    r.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
+    r.add_argument("--lr", type=float, help=f"learning rate (default {DEFAULT_LR:g})")
     r.add_argument("--seed", type=int, help="data/model seed (default 0)")
     r.add_argument("--loss-margin", type=float, dest="loss_margin",
                    help="feasible if held-out loss <= AdamW's * (1 + this); default "
@@ -179,7 +179,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     skip = given.get("skip_steps", min(mode["skip_steps"], max(0, steps // 5)))
     try:
         ts = TuneSettings(workload=wl_name, steps=steps, skip_steps=skip,
-                          seed=given.get("seed", 0), lr=given.get("lr", 1e-3),
+                          seed=given.get("seed", 0), lr=given.get("lr", DEFAULT_LR),
                           loss_margin=given.get("loss_margin", DEFAULT_LOSS_MARGIN),
                           device=device)
         space = SearchSpace(max_host_threads=args.max_host_threads)

@@ -30,6 +30,8 @@ from .workload import Workload, build_workload, heldout_loss
 __all__ = ["TuneSettings", "TrainResult", "train_and_measure", "measure_reference",
            "quality_limit", "Objective", "DIVERGED_VIOLATION", "DEFAULT_LOSS_MARGIN"]
 
+DEFAULT_LR = 3e-4
+"""A fine-tuning learning rate: a tenth of the embedded workload's pretraining peak (3e-3)."""
 DEFAULT_LOSS_MARGIN = 0.02
 """Feasible = held-out loss within 2% of AdamW's (see docs/tuning.md for why 2%)."""
 MAX_LOSS_MARGIN = 1.0
@@ -47,7 +49,7 @@ class TuneSettings:
     steps: int = 60
     skip_steps: int = 10
     seed: int = 0
-    lr: float = 1e-3
+    lr: float = DEFAULT_LR
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
