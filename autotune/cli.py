@@ -70,9 +70,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="feasible if held-out loss <= AdamW's * (1 + this); default "
                         f"{DEFAULT_LOSS_MARGIN} (2%%)")
     r.add_argument("--device", help="'cpu', 'cuda', 'cuda:1' (default: cuda if available)")
-    r.add_argument("--profile", help="name of the profile to save (default: the study name); "
-                                     "a user profile wins over a built-in of the same name")
+    r.add_argument("--profile", help="measured objective: name of the profile to save "
+                                     "(default: the study name; a user profile wins over a "
+                                     "built-in of the same name). Modelled objective: the "
+                                     "hardware profile to model (see --save-as)")
     r.add_argument("--no-profile", action="store_true", help="do not save a profile")
+    r.add_argument("--objective", choices=("measured", "modelled"), default="measured",
+                   help="measured (default): time trials on this machine. modelled: speed "
+                        "from the step-time model of --model on --profile's hardware, "
+                        "quality from a measured grid on the CPU workload (stored once, "
+                        "reused by every profile)")
+    r.add_argument("--model", help="modelled objective: model preset (llama2-7b, llama2-13b, "
+                                   "qwen2.5-3b, opt-350m)")
+    r.add_argument("--gpus", type=_pos_int, default=1,
+                   help="modelled objective: data-parallel GPUs (default 1)")
+    r.add_argument("--tokens", type=_pos_int, default=None,
+                   help="modelled objective: tokens per GPU per step (default 4096)")
+    r.add_argument("--mfu", type=float, default=None,
+                   help="modelled objective: model FLOP utilisation (default 0.4)")
+    r.add_argument("--save-as", dest="save_as",
+                   help="name of the profile to save (modelled default: <profile>-<model>; "
+                        "measured: the same as --profile)")
+    r.add_argument("--topk-grid", dest="topk_grid",
+                   help="modelled objective: comma-separated topk_ratio values of the "
+                        "quality grid (default 0.01,0.02,0.05,0.1,0.2,0.3,0.5)")
+    r.add_argument("--interval-grid", dest="interval_grid",
+                   help="modelled objective: comma-separated update_interval values of the "
+                        "quality grid (default 1,2,4,8,16)")
     r.add_argument("--top", type=_pos_int, default=5, help="rows in the final table")
     r.add_argument("--prune-ratio", type=float, default=0.5,
                    help="prune a trial below this fraction of the best feasible throughput")
@@ -120,6 +144,32 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--study", help="study name (default: the only/most recent one)")
     pl.add_argument("--storage", help="SQLAlchemy URL")
     pl.add_argument("--out", help="output directory (default: <data dir>/plots/<study>)")
+
+    pr = sub.add_parser("predict", help="model one training step per mode on a hardware "
+                                        "profile (a prediction, not a measurement)",
+                        description="The step-time model (autotune/stepmodel.py, "
+                                    "docs/stepmodel.md): step time, stall, link bytes, host "
+                                    "busy and memory of adamw, zero-offload, zero-offload-dpu, "
+                                    "overlapped-offload and zenflow for a model preset on a "
+                                    "profile's hardware facts.")
+    pr.add_argument("--profile", required=True, help="hardware profile (zenflow-tune list)")
+    pr.add_argument("--model", required=True, help="model preset: llama2-7b, llama2-13b, "
+                                                   "qwen2.5-3b, opt-350m")
+    pr.add_argument("--gpus", type=_pos_int, default=1, help="data-parallel GPUs (default 1)")
+    pr.add_argument("--tokens", type=_pos_int, default=None,
+                    help="tokens per GPU per optimizer step (default 4096)")
+    pr.add_argument("--mfu", type=float, default=None,
+                    help="model FLOP utilisation in (0, 1] (default 0.4)")
+    pr.add_argument("--topk-ratio", type=float, default=None,
+                    help="ZenFlow topk_ratio (default: the profile's)")
+    pr.add_argument("--update-interval", type=_pos_int, default=None,
+                    help="ZenFlow update_interval (default: the profile's)")
+    pr.add_argument("--accumulate-on", choices=("device", "host"), default=None,
+                    help="ZenFlow accumulate_on (default: the profile's, else device)")
+    pr.add_argument("--measure-host", action="store_true",
+                    help="time this machine's host AdamW (~1 s) and use it as the host rate")
+    pr.add_argument("--json", action="store_true", help="one JSON object, keyed by mode")
+    pr.add_argument("--plot", metavar="PNG", help="also draw one window per mode (matplotlib)")
     return p
 
 
@@ -159,6 +209,22 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if not args.verbose:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.objective == "modelled":
+        from .modelled import cli_run_modelled
+
+        return cli_run_modelled(args, UsageError)
+    modelled_only = [o for o, v in (("--model", args.model), ("--gpus", args.gpus != 1),
+                                    ("--tokens", args.tokens), ("--mfu", args.mfu),
+                                    ("--topk-grid", args.topk_grid),
+                                    ("--interval-grid", args.interval_grid)) if v]
+    if modelled_only:
+        raise UsageError(f"{', '.join(modelled_only)}: only with --objective modelled")
+    if args.save_as:
+        if args.profile and args.profile != args.save_as:
+            raise UsageError(f"--profile {args.profile!r} and --save-as {args.save_as!r}: "
+                             "with the measured objective both name the profile to save; "
+                             "give one")
+        args.profile = args.save_as
     mode = QUICK if args.quick else FULL
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -461,6 +527,60 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from zenflow_triton.profiles import load_profile
+
+    from . import stepmodel as M
+
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
+    if args.topk_ratio is not None and not 0 <= args.topk_ratio <= 1:
+        raise UsageError(f"--topk-ratio must be in [0, 1], got {args.topk_ratio}")
+    prof = load_profile(args.profile)  # unknown: ProfileNotFoundError names the known ones
+    measured = None
+    if args.measure_host:
+        from .hardware import measure_host_adam
+
+        measured = measure_host_adam()
+    hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=measured)
+    wl = M.Workload.from_preset(args.model, tokens=args.tokens or M.DEFAULT_TOKENS,
+                                mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
+    overrides = {k: v for k, v in (("topk_ratio", args.topk_ratio),
+                                   ("update_interval", args.update_interval),
+                                   ("accumulate_on", args.accumulate_on)) if v is not None}
+    settings = {k: v for k, v in prof.settings.items()
+                if not (k == "select_interval" and "update_interval" in overrides)}
+    cfg = M.zenflow_config(settings, **overrides)
+    preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg)
+    if args.plot:
+        M.plot_timelines(preds, args.plot, title=f"{wl.name} on {hw.name}, {args.gpus} GPU(s), "
+                                                 f"{wl.tokens} tokens/GPU/step (model)")
+    if args.json:
+        print(json.dumps({m: p.to_dict() for m, p in preds.items()}, indent=2))
+        return EXIT_OK
+    rate, how = hw.host_rate_and_source(args.gpus)
+    other = "host" if cfg.accumulate_on == "device" else "device"
+    alt = M.predict(hw, wl, "zenflow", gpus=args.gpus, config=cfg.replace(accumulate_on=other))
+    shown = dict(preds)
+    shown[f"zenflow (accumulate_on={other!r})"] = alt
+    print(f"Model prediction (not a measurement): {wl.name} ({wl.numel / 1e9:.2f}B params, "
+          f"{wl.dtype}) on {hw.name}, {args.gpus} GPU(s), {wl.tokens} tokens per GPU per step, "
+          f"MFU {wl.mfu:g}; host AdamW {rate:.3g} elements/s per GPU ({how}).")
+    print(f"zenflow: topk_ratio={cfg.topk_ratio}, update_interval={cfg.update_interval}, "
+          f"overlap={cfg.overlap}, accumulate_on={cfg.accumulate_on!r}. Memory excludes "
+          "activations. docs/stepmodel.md has the formulas.")
+    print()
+    print(M.markdown_table(shown))
+    notes = [f"{m}: {n}" for m, p in shown.items() for n in p.notes]
+    if notes:
+        print()
+        for n in notes:
+            print(f"* {n}")
+    if args.plot:
+        print(f"\nwrote {args.plot}")
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -484,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plot(args)
         if args.command == "diagnose":
             return cmd_diagnose(args)
+        if args.command == "predict":
+            return cmd_predict(args)
     except UsageError as e:
         sub = _subparser(parser, args.command)
         if sub is not None:

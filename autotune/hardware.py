@@ -95,6 +95,7 @@ def versions() -> dict[str, str]:
 
 
 _PATTERNS = [
+    (r"GH200", "gh200"),  # before H200, which "GH200" also contains
     (r"H200", "h200-sxm"),
     (r"H100.*(PCIe|NVL)", "h100-pcie5"),
     (r"H100", "h100-sxm5"),

@@ -8,7 +8,7 @@ A profile is a small JSON document (``schema_version`` 1)::
       "description": "...",
       "hardware": {...facts: link/memory bandwidth, FLOP/s, host cores, citation...},
       "settings": {...ZenFlowConfig field values...},
-      "provenance": {"source": "paper-defaults" | "measured" | "model", ...}
+      "provenance": {"source": "paper-defaults" | "measured" | "modelled", ...}
     }
 
 Built-in profiles ship in ``zenflow_triton/profiles/builtin/*.json``. Tuned profiles (written
@@ -58,7 +58,7 @@ PROFILE_DIR_ENV = "ZENFLOW_PROFILE_DIR"
 """Environment variable that overrides :func:`user_profile_dir`."""
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_PROVENANCE_SOURCES = ("paper-defaults", "library-defaults", "measured", "model")
+_PROVENANCE_SOURCES = ("paper-defaults", "library-defaults", "measured", "model", "modelled")
 _REQUIRED = ("schema_version", "name", "hardware", "settings", "provenance")
 
 

@@ -1,0 +1,708 @@
+"""The modelled objective (``zenflow-tune run --objective modelled --profile P --model M``):
+speed from the step-time model, quality from measured training runs.
+
+Speed on hardware we do not have comes from :mod:`autotune.stepmodel` (tokens per second per
+GPU of ``M`` on the facts of hardware profile ``P``). Quality cannot be modelled, but it does
+not depend on the hardware either: whether a setting keeps the held-out loss within
+``loss_margin`` of AdamW's depends only on the settings that change the arithmetic
+(``topk_ratio``, ``update_interval``, ``select_interval``, ``host_lr_scale``, ``overlap``),
+never on ``chunk_size`` or ``host_threads`` (the results are bit-identical across those).
+So quality is measured once, on the embedded CPU workload, over a fixed grid of those
+settings (:class:`QualityGrid`), and stored in an Optuna study (the *quality study*, same
+storage as the tuner's other studies, named after the objective it measures:
+:func:`quality_study_name`). Each grid point is one training run of the measured objective
+(:func:`~autotune.objective.train_and_measure`), judged by the same guard
+(:func:`~autotune.objective.quality_limit` over :func:`~autotune.objective.measure_reference`).
+Only the points the study lacks are trained: a second profile, a second model, or a rerun
+after a kill reuses every finished point.
+
+The two are combined as in the measured objective: maximise throughput (here the modelled
+tokens/s per GPU) subject to the quality guard. :func:`run_modelled` returns every grid
+point ranked, the fastest feasible one that fits in device memory, and (optionally) saves it
+as a profile whose provenance says ``"source": "modelled"`` and records the model preset,
+GPUs, tokens, the quality study and the modelled step time and stall.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
+
+from . import stepmodel as M
+from .objective import (DIVERGED_VIOLATION, TuneSettings, measure_reference, quality_limit,
+                        set_quality_constraint, train_and_measure)
+
+__all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "QualityPoint",
+           "QualityStore", "ModelledRow", "ModelledOutcome", "ModelledError",
+           "default_quality_settings", "quality_study_name", "run_quality_grid",
+           "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
+           "QUALITY_KEYS", "guard_line", "cli_run_modelled", "modelled_provenance",
+           "default_save_name"]
+
+QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
+QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap")
+"""The settings that change the optimizer's arithmetic, hence the quality (a grid point)."""
+MAX_ATTEMPTS = 2
+"""Training runs of one grid point that may fail (an exception, not a divergence) before the
+quality study gives up on it."""
+
+
+class ModelledError(ValueError):
+    """A bad input to the modelled objective (unknown preset, a profile without accelerator
+    facts, no grid point that fits or passes the guard...)."""
+
+
+# ---- the quality grid ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class QualityGrid:
+    """Grid of quality-relevant settings: every ``topk_ratio`` x ``update_interval``, with
+    ``select_interval = select_windows * update_interval`` and the library's default
+    ``host_lr_scale`` unless given. ``chunk_size`` and ``host_threads`` are not in it: they
+    do not change the result."""
+
+    topk_ratios: tuple[float, ...] = QUALITY_TOPK_RATIOS
+    update_intervals: tuple[int, ...] = QUALITY_UPDATE_INTERVALS
+    select_windows: int | None = None
+    """None: ZenFlowConfig's default (``select_interval=None`` = that many windows)."""
+    host_lr_scale: float | str | None = None
+    """None: ``ZenFlowConfig().host_lr_scale``, the library default."""
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.topk_ratios or not self.update_intervals:
+            raise ModelledError("a quality grid needs at least one topk_ratio and one "
+                                "update_interval")
+
+    def points(self) -> list[dict[str, Any]]:
+        """Validated settings (:data:`QUALITY_KEYS`) of every point, in grid order."""
+        from zenflow_triton.config import (DEFAULT_SELECT_INTERVAL_WINDOWS, ConfigError,
+                                           ZenFlowConfig)
+
+        windows = self.select_windows or DEFAULT_SELECT_INTERVAL_WINDOWS
+        lr_scale = (ZenFlowConfig().host_lr_scale if self.host_lr_scale is None
+                    else self.host_lr_scale)
+        out = []
+        for ui in self.update_intervals:
+            for k in self.topk_ratios:
+                try:
+                    cfg = ZenFlowConfig(topk_ratio=float(k), update_interval=int(ui),
+                                        select_interval=windows * int(ui),
+                                        host_lr_scale=lr_scale, overlap=self.overlap)
+                except ConfigError as e:
+                    raise ModelledError(f"quality grid point topk_ratio={k}, "
+                                        f"update_interval={ui}: {e}") from None
+                out.append({key: getattr(cfg, key) for key in QUALITY_KEYS})
+        return out
+
+
+def point_key(settings: dict[str, Any]) -> str:
+    """A grid point's identity in the quality study (JSON of its quality settings)."""
+    return json.dumps({k: settings[k] for k in QUALITY_KEYS}, sort_keys=True)
+
+
+@dataclass
+class QualityPoint:
+    settings: dict[str, Any]
+    heldout_loss: float | None
+    """None when the run diverged."""
+    violation: float
+    """``heldout_loss - limit`` (<= 0: feasible); :data:`DIVERGED_VIOLATION` if diverged."""
+    feasible: bool
+    diverged: bool
+    trial: int
+    cpu_throughput: float | None = None
+    """Throughput of the run on the CPU that measured it (not used: speed is modelled)."""
+
+
+@dataclass
+class QualityStore:
+    """The quality study's results for one grid: every point's held-out loss and verdict."""
+
+    study_name: str
+    storage: str
+    settings: TuneSettings
+    reference: dict[str, Any]
+    limit: float
+    points: list[QualityPoint]
+    trials_run: int
+    """Training runs this call made (0 when every point was already stored)."""
+
+    @property
+    def n_feasible(self) -> int:
+        return sum(p.feasible for p in self.points)
+
+
+def default_quality_settings(**overrides: Any) -> tuple[Callable[..., Any], TuneSettings]:
+    """The factory and :class:`TuneSettings` of the default quality study: the embedded
+    workload (``load_workload_factory(None)``) with the default objective (lr, steps,
+    loss_margin...: ``TuneSettings``' defaults) on the CPU, unless overridden."""
+    from .workload import load_workload_factory
+
+    name, factory = load_workload_factory(overrides.pop("workload", None))
+    overrides.setdefault("device", "cpu")
+    return factory, TuneSettings(workload=name, **overrides)
+
+
+def quality_study_name(ts: TuneSettings) -> str:
+    """``quality-<workload>-<hash of the objective>``: one study per objective, shared by
+    every hardware profile and model."""
+    digest = hashlib.sha1(json.dumps(ts.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+    slug = re.sub(r"[^a-z0-9._-]+", "-", ts.workload.lower()).strip("-.")[:40] or "workload"
+    return f"quality-{slug}-{digest}"
+
+
+def _grid_trials(study: optuna.Study) -> list[FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False) if "grid_key" in t.user_attrs]
+
+
+def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
+                     grid: QualityGrid | None = None, storage_url: str | None = None,
+                     study_name: str | None = None, log: Callable[[str], None] = print,
+                     heartbeat_interval: int | None = None,
+                     grace_period: int | None = None) -> QualityStore:
+    """Create or resume the quality study and train every grid point it lacks (one run each
+    of ``ts.steps`` steps of ``factory``'s workload, from ``ts.seed``); return every point's
+    result. A point whose run is RUNNING in another process is waited for (a killed one
+    becomes FAIL after the heartbeat grace period and is trained again here)."""
+    from . import study as S
+
+    grid = grid or QualityGrid()
+    points = grid.points()
+    name = study_name or quality_study_name(ts)
+    kw: dict[str, Any] = {}
+    if heartbeat_interval:
+        kw["heartbeat_interval"] = heartbeat_interval
+    if grace_period:
+        kw["grace_period"] = grace_period
+    storage = S.make_storage(storage_url, **kw)
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                sampler=optuna.samplers.RandomSampler(seed=0),
+                                load_if_exists=True)
+    S.fail_stale(study)
+    ts = S.check_or_store_objective(study, ts)
+    if "kind" not in study.user_attrs:
+        study.set_user_attr("kind", "quality-grid")
+    reference = study.user_attrs.get("reference")
+    if reference is None:
+        log(f"Measuring the AdamW reference ({ts.steps} steps of {ts.workload!r})...")
+        reference = measure_reference(factory, ts)
+        study.set_user_attr("reference", reference)
+    limit = quality_limit(float(reference["heldout_loss"]), ts.loss_margin)
+    wanted = {point_key(p): p for p in points}
+    ran = {"n": 0}
+    started = {"t": time.perf_counter()}
+
+    def objective(trial: optuna.Trial) -> float:
+        from zenflow_triton import ZenFlowOptimizer
+
+        key = trial.user_attrs.get("grid_key")
+        if key is None:  # not one of ours (another process emptied the queue first)
+            raise optuna.TrialPruned("not a quality grid point")
+        settings = json.loads(key)
+        trial.set_user_attr("settings", settings)
+
+        def make(params):
+            return ZenFlowOptimizer(params, lr=ts.lr, betas=ts.betas, eps=ts.eps,
+                                    weight_decay=ts.weight_decay, **settings)
+
+        try:
+            res = train_and_measure(factory, make, ts)
+        except Exception as e:
+            trial.set_user_attr("error", f"{type(e).__name__}: {e}")
+            raise
+        violation = DIVERGED_VIOLATION if res.diverged else res.heldout_loss - limit
+        set_quality_constraint(trial, violation)
+        trial.set_user_attr("heldout_loss", None if res.diverged else res.heldout_loss)
+        trial.set_user_attr("loss_limit", limit)
+        trial.set_user_attr("feasible", violation <= 0)
+        trial.set_user_attr("diverged", res.diverged)
+        trial.set_user_attr("cpu_throughput", res.throughput
+                            if math.isfinite(res.throughput) else None)
+        trial.set_user_attr("unit", res.unit)
+        return DIVERGED_VIOLATION if res.diverged else res.heldout_loss
+
+    def progress(st: optuna.Study, tr: FrozenTrial) -> None:
+        if "grid_key" not in tr.user_attrs:
+            return
+        ran["n"] += 1
+        s = json.loads(tr.user_attrs["grid_key"])
+        head = (f"quality point topk_ratio={s['topk_ratio']:g} "
+                f"update_interval={s['update_interval']}: ")
+        if tr.state == TrialState.COMPLETE:
+            loss = tr.user_attrs.get("heldout_loss")
+            verdict = "feasible" if tr.user_attrs.get("feasible") else (
+                "diverged" if tr.user_attrs.get("diverged") else "infeasible")
+            log(head + (f"held-out loss {loss:.4f} " if loss is not None else "") +
+                f"(limit {limit:.4f}) {verdict}  [{time.perf_counter() - started['t']:.0f} s]")
+        else:
+            log(head + f"{tr.state.name.lower()}: {tr.user_attrs.get('error', 'see log')}")
+
+    announced = False
+    while True:
+        trials = _grid_trials(study)
+        done = {t.user_attrs["grid_key"] for t in trials if t.state == TrialState.COMPLETE}
+        queued = {t.user_attrs["grid_key"] for t in trials
+                  if t.state in (TrialState.WAITING, TrialState.RUNNING)}
+        failed: dict[str, list[FrozenTrial]] = {}
+        for t in trials:  # runs that raised (a killed process leaves no "error": retried)
+            if t.state == TrialState.FAIL and "error" in t.user_attrs:
+                failed.setdefault(t.user_attrs["grid_key"], []).append(t)
+        missing = [k for k in wanted if k not in done and k not in queued]
+        for k in missing:
+            if len(failed.get(k, [])) >= MAX_ATTEMPTS:
+                err = failed[k][-1].user_attrs.get("error", "unknown error")
+                raise RuntimeError(f"quality grid point {k} failed {MAX_ATTEMPTS} times in "
+                                   f"study {name!r}; last error: {err}")
+        todo = len(wanted.keys() - done)
+        if todo and not announced:
+            announced = True
+            stored = len(done & wanted.keys())
+            log(f"quality study {name!r}: " + (f"{stored} of {len(wanted)} grid points "
+                                              f"stored, training the {todo} missing"
+                                              if stored else f"training {todo} grid point(s)")
+                + f", {ts.steps} steps each")
+        for k in missing:
+            study.enqueue_trial({}, user_attrs={"grid_key": k})
+        waiting = [t for t in _grid_trials(study) if t.state == TrialState.WAITING
+                   and t.user_attrs["grid_key"] in wanted]
+        if waiting:
+            study.optimize(objective, n_trials=len(waiting), callbacks=[progress],
+                           catch=(Exception,), gc_after_trial=False)
+            continue
+        running = [t for t in _grid_trials(study) if t.state == TrialState.RUNNING
+                   and t.user_attrs["grid_key"] in wanted]
+        if not running:
+            break
+        time.sleep(1.0)  # another process is training these points (or died: fail_stale)
+        S.fail_stale(study)
+
+    by_key: dict[str, FrozenTrial] = {}
+    for t in _grid_trials(study):
+        if t.state == TrialState.COMPLETE and t.user_attrs["grid_key"] in wanted:
+            by_key[t.user_attrs["grid_key"]] = t  # the latest complete run of each point
+    out = []
+    for k, settings in wanted.items():
+        t = by_key[k]
+        v = float(t.user_attrs.get("quality_violation", DIVERGED_VIOLATION))
+        out.append(QualityPoint(settings=dict(settings), heldout_loss=t.user_attrs.get(
+            "heldout_loss"), violation=v, feasible=v <= 0,
+            diverged=bool(t.user_attrs.get("diverged")), trial=t.number,
+            cpu_throughput=t.user_attrs.get("cpu_throughput")))
+    return QualityStore(study_name=name, storage=S.redact_url(storage_url
+                                                              or S.default_storage_url()),
+                        settings=ts, reference=dict(reference), limit=limit, points=out,
+                        trials_run=ran["n"])
+
+
+# ---- speed from the model, and the choice ---------------------------------------------------
+@dataclass
+class ModelledRow:
+    point: QualityPoint
+    prediction: M.Prediction
+    settings: dict[str, Any]
+    """The full profile settings the model was run with (base settings + the point)."""
+    throughput: float = 0.0
+    """Modelled tokens per second per GPU."""
+    eligible: bool = False
+    """Feasible by the quality guard and fits in device memory."""
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction.fits
+
+    @property
+    def step_time_s(self) -> float:
+        return self.prediction.modelled_step_time_s
+
+
+def _hardware(profile: Any, host_adam_elements_per_s: float | None = None
+              ) -> tuple[Profile, M.Hardware]:
+    prof = profile if isinstance(profile, Profile) else load_profile(profile)
+    hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=host_adam_elements_per_s)
+    try:
+        hw.require_device()
+    except M.StepModelError as e:
+        raise ModelledError(str(e)) from None
+    return prof, hw
+
+
+def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None) -> M.Workload:
+    if isinstance(model, M.Workload):
+        return model
+    try:
+        return M.Workload.from_preset(model, tokens=tokens or M.DEFAULT_TOKENS,
+                                      mfu=M.DEFAULT_MFU if mfu is None else mfu)
+    except M.StepModelError as e:
+        raise ModelledError(str(e)) from None
+
+
+def _base_settings(prof: Profile) -> dict[str, Any]:
+    """The hardware profile's settings (the grid point overrides the quality ones; the rest,
+    e.g. ``accumulate_on``, ``chunk_size``, ``host_threads``, are kept as the profile has
+    them, in its order)."""
+    return dict(prof.settings)
+
+
+def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: int = 1,
+                base_settings: dict[str, Any] | None = None) -> list[ModelledRow]:
+    """Every grid point with its modelled zenflow step (mode ``"zenflow"``, the point's
+    settings over ``base_settings``, e.g. a profile's ``accumulate_on``), fastest first.
+    ``eligible`` = feasible by the quality guard and fits in device memory."""
+    rows = []
+    for p in store.points:
+        settings = dict(base_settings or {})
+        settings.update(p.settings)
+        try:
+            cfg = M.zenflow_config(settings)
+        except M.StepModelError as e:
+            raise ModelledError(f"settings {settings}: {e}") from None
+        pred = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg)
+        rows.append(ModelledRow(point=p, prediction=pred, settings=settings,
+                                throughput=wl.tokens / pred.modelled_step_time_s,
+                                eligible=p.feasible and pred.fits))
+    rows.sort(key=lambda r: (-r.throughput, math.inf if r.point.heldout_loss is None
+                             else r.point.heldout_loss))
+    return rows
+
+
+@dataclass
+class ModelledOutcome:
+    store: QualityStore
+    hardware_profile: Profile
+    hardware: M.Hardware
+    workload: M.Workload
+    gpus: int
+    rows: list[ModelledRow]
+    best: ModelledRow | None
+    zero_offload: M.Prediction
+    profile: Profile | None = None
+    profile_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def eligible(self) -> list[ModelledRow]:
+        return [r for r in self.rows if r.eligible]
+
+
+def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int = 1,
+                 tokens: int | None = None, mfu: float | None = None,
+                 factory: Callable[..., Any] | None = None, ts: TuneSettings | None = None,
+                 grid: QualityGrid | None = None, storage_url: str | None = None,
+                 study_name: str | None = None, save_as: str | None = None,
+                 profile_dir: str | Path | None = None,
+                 host_adam_elements_per_s: float | None = None,
+                 log: Callable[[str], None] = print, **grid_kw: Any) -> ModelledOutcome:
+    """Quality from the (shared, resumable) quality study, speed from the step model of
+    ``model`` on ``profile``'s hardware; the fastest feasible point that fits. Saves it as
+    profile ``save_as`` (when given) in ``profile_dir`` (default: the user profile dir).
+
+    Inputs are checked before any training: an unknown profile raises
+    :class:`~zenflow_triton.profiles.ProfileNotFoundError`, an unknown preset or a profile
+    without accelerator facts (``cpu``) :class:`ModelledError`."""
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ModelledError(f"gpus must be an int >= 1, got {gpus!r}")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ModelledError(f"mfu must be in (0, 1], got {mfu}")
+    prof, hw = _hardware(profile, host_adam_elements_per_s)
+    wl = _workload(model, tokens, mfu)
+    if save_as is not None:
+        validate_name(save_as)
+    if factory is None or ts is None:
+        f, t = default_quality_settings()
+        factory, ts = factory or f, ts or t
+    grid = grid or QualityGrid()
+    grid.points()  # validate before training
+    store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
+                             study_name=study_name, log=log, **grid_kw)
+    base = _base_settings(prof)
+    rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base)
+    eligible = [r for r in rows if r.eligible]
+    zo = M.predict(hw, wl, "zero-offload", gpus=gpus, config=M.zenflow_config(base))
+    out = ModelledOutcome(store=store, hardware_profile=prof, hardware=hw, workload=wl,
+                          gpus=gpus, rows=rows, best=eligible[0] if eligible else None,
+                          zero_offload=zo)
+    if not any(r.fits for r in rows):
+        out.notes.append(f"no grid point fits: {wl.name} needs at least "
+                         f"{min(r.prediction.device_memory_bytes for r in rows) / 1e9:.1f} GB "
+                         f"of device memory (before activations); {hw.name} has "
+                         f"{(hw.device_memory_bytes or 0) / 1e9:.0f} GB")
+    if out.best is not None and save_as is not None:
+        out.profile = modelled_profile(out, save_as)
+        out.profile_path = save_profile(out.profile, profile_dir)
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from .hardware import versions
+
+    return versions()
+
+
+def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
+    """What a modelled profile records about how its settings were chosen."""
+    best = out.best
+    if best is None:
+        raise ModelledError("no feasible grid point fits: nothing to record")
+    hw, wl, store = out.hardware, out.workload, out.store
+    rate, how = hw.host_rate_and_source(out.gpus)
+    measured_rate = bool(hw.host_adam_elements_per_s)
+    zo_t = out.zero_offload.modelled_step_time_s
+    p = best.prediction
+    ref = store.reference
+    return {
+        "source": "modelled",
+        "measured": False,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware_profile": out.hardware_profile.name,
+        "model": wl.name,
+        "gpus": out.gpus,
+        "tokens": wl.tokens,
+        "mfu": wl.mfu,
+        "dtype": wl.dtype,
+        "quality_study": store.study_name,
+        "quality_storage": store.storage,
+        "workload": store.settings.workload,
+        "loss_margin": store.settings.loss_margin,
+        "tune_settings": store.settings.to_dict(),
+        "host_adam_elements_per_s_per_gpu": rate,
+        "host_adam_source": (how if measured_rate else
+                             f"the profile has no host_adam_elements_per_s (null): the step "
+                             f"model's documented default was used ({how}; "
+                             "docs/stepmodel.md, Constants)"),
+        "objective": {
+            "tokens_per_s_per_gpu": best.throughput,
+            "step_time_s": p.modelled_step_time_s,
+            "stall_fraction": p.stall_fraction,
+            "host_busy_fraction": p.host_busy_fraction,
+            "device_memory_gb": round(p.device_memory_bytes / 1e9, 2),
+            "zero_offload_step_time_s": zo_t,
+            "speedup_vs_zero_offload": zo_t / p.modelled_step_time_s,
+            "heldout_loss": best.point.heldout_loss,
+            "loss_limit": store.limit,
+            "adamw_heldout_loss": ref.get("heldout_loss"),
+            "initial_heldout_loss": ref.get("initial_loss"),
+        },
+        "grid": {
+            "topk_ratios": sorted({r.point.settings["topk_ratio"] for r in out.rows}),
+            "update_intervals": sorted({r.point.settings["update_interval"] for r in out.rows}),
+            "points": len(out.rows),
+            "feasible": sum(r.point.feasible for r in out.rows),
+            "fit": sum(r.fits for r in out.rows),
+            "quality_trial": best.point.trial,
+        },
+        "versions": _versions(),
+        "note": ("Settings chosen by zenflow-tune's modelled objective: the fastest grid "
+                 "point by the step-time model (autotune/stepmodel.py; a prediction, not a "
+                 "measurement on this hardware) among those whose held-out loss on the "
+                 "embedded CPU workload was within loss_margin of AdamW's (measured, "
+                 "hardware-independent) and whose state fits in device memory. "
+                 "chunk_size and host_threads do not change the result and are not chosen "
+                 "here. Run `zenflow-tune run` on the machine for measured settings."),
+    }
+
+
+def modelled_profile(out: ModelledOutcome, name: str) -> Profile:
+    """The chosen point as a profile: the hardware profile's facts and other settings, the
+    point's quality settings, and the modelled provenance."""
+    if out.best is None:
+        raise ModelledError("no feasible grid point fits in device memory: no profile to save")
+    prof = out.hardware_profile
+    return Profile(name=validate_name(name), settings=dict(out.best.settings),
+                   hardware=dict(prof.hardware), provenance=modelled_provenance(out),
+                   description=f"{prof.description or prof.name}; settings modelled for "
+                               f"{out.workload.name} on {out.gpus} GPU(s)",
+                   source="memory")
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
+    """The final table of a modelled run (like the measured run's)."""
+    store, wl = out.store, out.workload
+    zo_t = out.zero_offload.modelled_step_time_s
+    head = (f"{'rank':>4} {'tokens/s':>10} {'vs zero-off':>11} {'step s':>7} {'stall':>6} "
+            f"{'loss':>7} {'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5}")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(out.eligible[:top], 1):
+        s = r.point.settings
+        lines.append(
+            f"{i:>4} {r.throughput:>10,.0f} {zo_t / r.step_time_s:>10.2f}x "
+            f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
+            f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
+            f"{s['update_interval']:>4} {s['select_interval']:>5}")
+    if not out.eligible:
+        lines.append("  (no feasible grid point fits)")
+    ref = store.reference
+    lines.append(f"modelled zero-offload: {wl.tokens / zo_t:,.0f} tokens/s per GPU "
+                 f"({zo_t:.3f} s/step); model {wl.name}, {out.gpus} GPU(s), {wl.tokens} "
+                 f"tokens/GPU/step on {out.hardware.name}")
+    faster = [r for r in out.rows if r.fits and not r.point.feasible
+              and (out.best is None or r.throughput > out.best.throughput)]
+    if faster:
+        f = faster[0]
+        loss = ("diverged" if f.point.heldout_loss is None
+                else f"loss {f.point.heldout_loss:.4f}")
+        lines.append(f"fastest point overall: topk {f.point.settings['topk_ratio']:g}, "
+                     f"interval {f.point.settings['update_interval']}, "
+                     f"{f.throughput:,.0f} tokens/s, infeasible ({loss} > {store.limit:.4f})")
+    n = len(out.rows)
+    nf = sum(r.point.feasible for r in out.rows)
+    fit = sum(r.fits for r in out.rows)
+    lines.append(f"grid: {n} points, {nf} feasible, {n - nf} infeasible, {fit} fit in device "
+                 f"memory; quality study {store.study_name!r} ({store.trials_run} run(s) "
+                 f"trained now), AdamW held-out loss {ref.get('heldout_loss', math.nan):.4f} "
+                 f"(from {ref.get('initial_loss') or math.nan:.4f})")
+    lines += [f"note: {n}" for n in out.notes]
+    return "\n".join(lines)
+
+
+def guard_line(store: QualityStore) -> str:
+    return (f"AdamW reference held-out loss {store.reference['heldout_loss']:.4f}; feasible "
+            f"if loss <= {store.limit:.4f} (within {100 * store.settings.loss_margin:g}% of "
+            "AdamW's)")
+
+
+# ---- the CLI (``zenflow-tune run --objective modelled``) ------------------------------------
+MEASURED_ONLY = ("quick", "n_trials", "timeout", "max_host_threads")
+"""``run`` options that mean nothing to the modelled objective (its grid is fixed)."""
+
+
+def _float_list(s: str, what: str, usage: type[Exception]) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise usage(f"{what}: expected comma-separated numbers, got {s!r}") from None
+    if not vals:
+        raise usage(f"{what}: empty")
+    return vals
+
+
+def default_save_name(profile: str, model: str, gpus: int, tokens: int | None) -> str:
+    name = f"{profile}-{model}"
+    if gpus != 1:
+        name += f"-{gpus}gpu"
+    if tokens and tokens != M.DEFAULT_TOKENS:
+        name += f"-{tokens}tok"
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.")[:64]
+
+
+def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
+    """``zenflow-tune run --objective modelled``: ``--profile`` is the hardware profile to
+    model, ``--model`` the preset; the result is saved as ``--save-as`` (default
+    ``<profile>-<model>``, so a built-in is not shadowed by accident) unless ``--no-profile``.
+    Raises ``usage`` for a bad combination of options (exit 1)."""
+    import sys
+
+    from zenflow_triton.profiles import ProfileError, ProfileNotFoundError
+
+    from .study import default_storage_url, redact_url
+    from .workload import DEFAULT_WORKLOAD, WorkloadError, load_workload_factory
+
+    if not args.profile or not args.model:
+        missing = " and ".join(o for o, v in (("--profile NAME", args.profile),
+                                               ("--model PRESET", args.model)) if not v)
+        raise usage(f"--objective modelled needs {missing} (the hardware profile to model "
+                    f"and a model preset: {', '.join(sorted(M.PRESETS))})")
+    given = [o for o in MEASURED_ONLY if getattr(args, o, None) not in (None, False)]
+    if given:
+        opts = ", ".join("--" + o.replace("_", "-") for o in given)
+        raise usage(f"{opts}: only for --objective measured (the modelled objective trains "
+                    "a fixed quality grid; see --topk-grid and --interval-grid)")
+    if args.model not in M.PRESETS:
+        raise usage(f"--model: unknown model preset {args.model!r}; valid presets: "
+                    f"{', '.join(sorted(M.PRESETS))}")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise usage(f"--mfu must be in (0, 1], got {args.mfu}")
+    try:
+        prof, _ = _hardware(args.profile)
+    except ProfileNotFoundError as e:
+        raise usage(f"--profile: {e}") from None
+    except (ModelledError, ProfileError) as e:
+        raise usage(f"--profile {args.profile!r}: {e}") from None
+    save_as = None
+    if not args.no_profile:
+        save_as = args.save_as or default_save_name(prof.name, args.model, args.gpus,
+                                                    args.tokens)
+        try:
+            validate_name(save_as)
+        except ProfileError as e:
+            raise usage(f"--save-as: {e}") from None
+    try:
+        wl_name, factory = load_workload_factory(args.workload)
+    except WorkloadError as e:
+        raise usage(f"--workload: {e}") from None
+    over = {k: getattr(args, k) for k in ("steps", "skip_steps", "lr", "seed", "loss_margin",
+                                          "device") if getattr(args, k) is not None}
+    if "steps" in over and "skip_steps" not in over:
+        over["skip_steps"] = min(TuneSettings().skip_steps, max(0, over["steps"] // 5))
+    try:
+        _, ts = default_quality_settings(workload=args.workload, **over)
+        grid_kw: dict[str, Any] = {}
+        if args.topk_grid:
+            grid_kw["topk_ratios"] = _float_list(args.topk_grid, "--topk-grid", usage)
+        if args.interval_grid:
+            ints = _float_list(args.interval_grid, "--interval-grid", usage)
+            if any(v != int(v) for v in ints):
+                raise usage(f"--interval-grid: expected integers, got {args.interval_grid!r}")
+            grid_kw["update_intervals"] = tuple(int(v) for v in ints)
+        grid = QualityGrid(**grid_kw)
+        grid.points()
+    except (ValueError, ModelledError) as e:
+        raise usage(str(e)) from None
+    if wl_name == DEFAULT_WORKLOAD:
+        from .workload import cache_dir, pretrained_tiny_lm_state
+
+        pretrained_tiny_lm_state(on_miss=lambda: print(
+            f"pretraining the tiny LM once (about a minute; cached in {cache_dir()})",
+            flush=True))
+    storage_url = args.storage or default_storage_url()
+    print(f"modelled objective: {args.model} on {prof.name!r} ({args.gpus} GPU(s), "
+          f"{args.tokens or M.DEFAULT_TOKENS} tokens/GPU/step), speed from the step model; "
+          f"quality measured on {wl_name!r} ({ts.device}) in {redact_url(storage_url)}",
+          flush=True)
+    kw: dict[str, Any] = {}
+    if args.heartbeat_interval:
+        kw["heartbeat_interval"] = args.heartbeat_interval
+    if args.grace_period:
+        kw["grace_period"] = args.grace_period
+    out = run_modelled(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
+                       mfu=args.mfu, factory=factory, ts=ts, grid=grid,
+                       storage_url=storage_url, study_name=args.study, save_as=save_as,
+                       log=lambda m: print(m, flush=True), **kw)
+    print()
+    print(guard_line(out.store))
+    init = out.store.reference.get("initial_loss")
+    if init is not None and out.store.limit >= init:
+        print(f"warning: the guard ({out.store.limit:.4f}) is not below the held-out loss "
+              f"before training ({init:.4f}): it cannot tell training from not training")
+    print(format_modelled_table(out, top=args.top))
+    if out.best is None:
+        why = ("no grid point fits in device memory" if not any(r.fits for r in out.rows)
+               else "no feasible grid point fits in device memory" if out.store.n_feasible
+               else "every grid point missed the quality guard")
+        print(f"\n{why}: nothing saved. Try a smaller --model, more --gpus, a finer grid, "
+              "or a looser --loss-margin.", file=sys.stderr)
+        return 2
+    b = out.best
+    print(f"\nchosen: topk_ratio={b.point.settings['topk_ratio']:g}, update_interval="
+          f"{b.point.settings['update_interval']}, select_interval="
+          f"{b.point.settings['select_interval']}: {b.throughput:,.0f} tokens/s per GPU "
+          f"(modelled, {b.step_time_s:.3f} s/step, stall {b.prediction.stall_fraction:.0%})")
+    if out.profile_path is not None:
+        print(f"saved profile {out.profile.name!r} to {out.profile_path}")
+        print("use it:")
+        print(f'    opt = ZenFlowOptimizer.from_profile("{out.profile.name}", '
+              "model.parameters(), lr=...)")
+    return 0

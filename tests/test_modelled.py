@@ -1,0 +1,327 @@
+"""The modelled objective (autotune/modelled.py, ``zenflow-tune run --objective modelled``):
+quality measured once on a grid and reused by every profile and model, speed from the
+step-time model, the fastest feasible point chosen, saved as a loadable profile with its
+provenance, and every bad input refused before any training."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+
+from autotune import cli
+from autotune import modelled as MD
+from autotune import stepmodel as SM
+from autotune import study as S
+from autotune.objective import TrainResult, TuneSettings
+from autotune.workload import tiny_lm
+from zenflow_triton import ZenFlowOptimizer
+from zenflow_triton.profiles import PROFILE_DIR_ENV, ProfileNotFoundError, load_profile
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+small_lm = functools.partial(tiny_lm, d=64, n_layers=1, n_heads=2, seq_len=32, batch_size=8,
+                             heldout_batches=2)
+TS = TuneSettings(workload="small", steps=8, skip_steps=2, lr=3e-3, loss_margin=0.05)
+GRID = MD.QualityGrid(topk_ratios=(0.01, 0.1, 0.5), update_intervals=(1, 4, 16))
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path / "profiles"))
+    monkeypatch.setenv(S.DATA_DIR_ENV, str(tmp_path / "data"))
+    return tmp_path
+
+
+def fake_loss(settings: dict) -> float:
+    """Quality that gets worse as fewer columns are updated every step and the host window
+    grows: the fast settings (small topk, long interval) fail a 5% guard over 1.0."""
+    k, ui = settings["topk_ratio"], settings["update_interval"]
+    return 1.0 + 0.02 * math.log2(ui) * (0.5 / k) ** 0.5
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Cheap training: the reference and every grid point return made-up losses; counts the
+    runs (a reused quality store must train nothing)."""
+    calls = {"train": [], "reference": 0}
+
+    def train(factory, make_optimizer, ts, **kw):
+        opt = make_optimizer([torch.nn.Parameter(torch.zeros(64, 64))])
+        settings = {k: getattr(opt.config, k) for k in MD.QUALITY_KEYS}
+        opt.close()
+        calls["train"].append(settings)
+        return TrainResult(throughput=1000.0, heldout_loss=fake_loss(settings),
+                           final_train_loss=1.0, diverged=False, measured_steps=ts.steps,
+                           measured_seconds=1.0, unit="tokens")
+
+    def reference(factory, ts):
+        calls["reference"] += 1
+        return {"optimizer": "torch.optim.AdamW", "heldout_loss": 1.0, "initial_loss": 2.0,
+                "throughput": 1000.0, "unit": "tokens", "steps": ts.steps}
+
+    monkeypatch.setattr(MD, "train_and_measure", train)
+    monkeypatch.setattr(MD, "measure_reference", reference)
+    return calls
+
+
+def _run(url, **kw):
+    args = dict(profile="a100-pcie4", model="llama2-7b", factory=small_lm, ts=TS, grid=GRID,
+                storage_url=url, log=quiet)
+    args.update(kw)
+    return MD.run_modelled(**args)
+
+
+# ---- the quality store ---------------------------------------------------------------------
+def test_quality_store_is_measured_once_and_reused(dirs, fake):
+    url = f"sqlite:///{dirs / 'q.db'}"
+    first = _run(url)
+    assert first.store.trials_run == len(fake["train"]) == 9 and fake["reference"] == 1
+    assert first.store.study_name == MD.quality_study_name(TS)
+    # another hardware profile and another model: no training at all
+    second = _run(url, profile="h100-pcie5", model="qwen2.5-3b", gpus=2, tokens=8192)
+    assert second.store.trials_run == 0
+    assert len(fake["train"]) == 9 and fake["reference"] == 1
+    assert [(p.settings, p.heldout_loss, p.feasible) for p in second.store.points] == \
+        [(p.settings, p.heldout_loss, p.feasible) for p in first.store.points]
+    # each point's loss, violation and verdict are kept in the study
+    study = optuna.load_study(study_name=first.store.study_name, storage=S.make_storage(url))
+    done = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
+    assert len(done) == 9
+    for t in done:
+        assert t.user_attrs["heldout_loss"] == pytest.approx(fake_loss(t.user_attrs["settings"]))
+        assert t.user_attrs["quality_violation"] == pytest.approx(
+            t.user_attrs["heldout_loss"] - first.store.limit)
+        assert t.user_attrs["feasible"] == (t.user_attrs["quality_violation"] <= 0)
+    # a larger grid trains only the new points
+    bigger = MD.QualityGrid(topk_ratios=(0.01, 0.1, 0.5), update_intervals=(1, 2, 4, 16))
+    third = _run(url, grid=bigger)
+    assert third.store.trials_run == 3 and len(fake["train"]) == 12
+    assert {c["update_interval"] for c in fake["train"][9:]} == {2}
+    # another objective (e.g. another loss margin) is another quality study
+    other = TuneSettings(**{**TS.to_dict(), "betas": tuple(TS.betas), "loss_margin": 0.1})
+    assert MD.quality_study_name(other) != MD.quality_study_name(TS)
+
+
+def test_an_interrupted_quality_grid_resumes_with_only_the_missing_points(dirs, fake,
+                                                                          monkeypatch):
+    url = f"sqlite:///{dirs / 'q.db'}"
+    inner = MD.train_and_measure
+
+    def interrupted(factory, make_optimizer, ts, **kw):
+        if len(fake["train"]) == 4:
+            raise KeyboardInterrupt  # like Ctrl-C in the middle of the fifth point
+        return inner(factory, make_optimizer, ts, **kw)
+
+    monkeypatch.setattr(MD, "train_and_measure", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run(url)
+    assert len(fake["train"]) == 4
+    monkeypatch.setattr(MD, "train_and_measure", inner)
+    out = _run(url)
+    assert out.store.trials_run == 5 and len(fake["train"]) == 9
+    keys = [MD.point_key(s) for s in fake["train"]]
+    assert len(set(keys)) == 9  # no point trained twice
+
+
+def test_a_failing_point_is_retried_then_reported(dirs, fake, monkeypatch):
+    url = f"sqlite:///{dirs / 'q.db'}"
+    inner = MD.train_and_measure
+    fails = {"n": 0}
+
+    def flaky(factory, make_optimizer, ts, **kw):
+        opt = make_optimizer([torch.nn.Parameter(torch.zeros(64, 64))])
+        bad = opt.config.topk_ratio == 0.5 and opt.config.update_interval == 16
+        opt.close()
+        if bad and fails["n"] < fails.get("limit", 1):
+            fails["n"] += 1
+            raise RuntimeError("host worker died")
+        return inner(factory, make_optimizer, ts, **kw)
+
+    monkeypatch.setattr(MD, "train_and_measure", flaky)
+    out = _run(url)  # failed once, trained again, complete
+    assert fails["n"] == 1 and len(out.store.points) == 9
+    fails.update(n=0, limit=99)
+    grid = MD.QualityGrid(topk_ratios=(0.5, 0.3), update_intervals=(16,))
+    with pytest.raises(RuntimeError, match="failed 2 times.*host worker died"):
+        _run(url, grid=grid, ts=TuneSettings(**{**TS.to_dict(), "betas": tuple(TS.betas),
+                                                "seed": 1}))
+
+
+# ---- the choice ------------------------------------------------------------------------------
+def test_the_fastest_feasible_point_by_the_model_is_chosen(dirs, fake):
+    out = _run(f"sqlite:///{dirs / 'q.db'}")
+    hw, wl = SM.Hardware.from_profile("a100-pcie4"), SM.Workload.from_preset("llama2-7b")
+    speed = {}
+    for p in out.store.points:
+        pred = SM.predict(hw, wl, "zenflow", config=p.settings)
+        speed[MD.point_key(p.settings)] = (wl.tokens / pred.modelled_step_time_s, pred.fits)
+    fastest = max(speed, key=lambda k: speed[k][0])
+    by_key = {MD.point_key(p.settings): p for p in out.store.points}
+    assert not by_key[fastest].feasible  # the guard matters: the fastest point fails it
+    ok = [k for k, (_, fits) in speed.items() if by_key[k].feasible and fits]
+    best = max(ok, key=lambda k: speed[k][0])
+    assert MD.point_key(out.best.point.settings) == best
+    assert out.best.throughput == pytest.approx(speed[best][0])
+    assert out.best.throughput < speed[fastest][0]
+    assert [r.throughput for r in out.rows] == sorted((r.throughput for r in out.rows),
+                                                      reverse=True)
+    table = MD.format_modelled_table(out)
+    assert f"{out.best.throughput:,.0f}" in table and "infeasible" in table
+    assert "within 5% of AdamW's" in MD.guard_line(out.store)
+
+
+def test_a_model_that_does_not_fit_chooses_nothing(dirs, fake):
+    out = _run(f"sqlite:///{dirs / 'q.db'}", profile="rtx4090-pcie4")  # 24 GB < 27 GB of bf16
+    assert out.best is None and not any(r.fits for r in out.rows)
+    assert any("fits" in n and "24 GB" in n for n in out.notes)
+    with pytest.raises(MD.ModelledError):
+        MD.modelled_profile(out, "nothing")
+
+
+# ---- the saved profile, through the CLI, with real training runs -------------------------------
+def test_cli_modelled_run_saves_a_profile_that_loads_and_reuses_quality(dirs, capsys):
+    url = f"sqlite:///{dirs / 'cli.db'}"
+    common = ["run", "--objective", "modelled", "--model", "llama2-7b", "--workload",
+              "tests.test_modelled:small_lm", "--steps", "8", "--lr", "3e-3",
+              "--loss-margin", "0.05", "--topk-grid", "0.05,0.5", "--interval-grid", "1,8",
+              "--storage", url]
+    assert cli.main(common + ["--profile", "a100-pcie4"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW reference held-out loss" in out and "(within 5% of AdamW's)" in out
+    assert "rank" in out and "vs zero-off" in out and "(4 run(s) trained now)" in out
+    assert "saved profile 'a100-pcie4-llama2-7b'" in out
+    prof = load_profile("a100-pcie4-llama2-7b")
+    pv = prof.provenance
+    assert prof.source == "user" and pv["source"] == "modelled" and pv["measured"] is False
+    assert (pv["model"], pv["gpus"], pv["tokens"]) == ("llama2-7b", 1, 4096)
+    assert pv["workload"] == "tests.test_modelled:small_lm" and pv["loss_margin"] == 0.05
+    assert pv["quality_study"].startswith("quality-") and pv["date"]
+    assert pv["hardware_profile"] == "a100-pcie4"
+    assert 0 < pv["objective"]["step_time_s"] and 0 <= pv["objective"]["stall_fraction"] <= 1
+    assert pv["objective"]["heldout_loss"] <= pv["objective"]["loss_limit"]
+    assert "null" in pv["host_adam_source"]  # the GPU profiles have no measured host rate
+    assert prof.hardware == load_profile("a100-pcie4").hardware
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
+    opt = ZenFlowOptimizer.from_profile("a100-pcie4-llama2-7b", model.parameters(), lr=1e-4)
+    try:
+        for k in MD.QUALITY_KEYS:
+            assert getattr(opt.config, k) == prof.settings[k]
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+    finally:
+        opt.close()
+    # a second hardware profile: nothing trained, saved under its own name
+    assert cli.main(common + ["--profile", "h100-pcie5", "--save-as", "h100-mine"]) == 0
+    out = capsys.readouterr().out
+    assert "(0 run(s) trained now)" in out and "Measuring" not in out
+    assert load_profile("h100-mine").provenance["quality_study"] == pv["quality_study"]
+
+
+# ---- bad inputs --------------------------------------------------------------------------------
+@pytest.fixture
+def no_training(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("trained before the inputs were checked")
+
+    monkeypatch.setattr(MD, "train_and_measure", boom)
+    monkeypatch.setattr(MD, "measure_reference", boom)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(model="llama-7b"), MD.ModelledError, "valid presets: .*llama2-7b"),
+    (dict(profile="cpu"), MD.ModelledError, "accelerator facts"),
+    (dict(profile="a100-pcie"), ProfileNotFoundError, "Did you mean 'a100-pcie4'"),
+    (dict(gpus=0), MD.ModelledError, "gpus"),
+    (dict(mfu=1.5), MD.ModelledError, "mfu"),
+    (dict(grid=MD.QualityGrid(topk_ratios=(1.5,))), MD.ModelledError, "topk_ratio"),
+])
+def test_bad_inputs_fail_before_any_training(dirs, no_training, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _run(f"sqlite:///{dirs / 'q.db'}", **kw)
+
+
+M = ["run", "--objective", "modelled"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (M + ["--model", "llama2-7b"], "needs --profile NAME"),
+    (M + ["--profile", "a100-pcie4"], "needs --model PRESET"),
+    (M, "needs --profile NAME and --model PRESET"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama-7b"], "valid presets: llama2-13b"),
+    (M + ["--profile", "cpu", "--model", "llama2-7b"], "accelerator facts"),
+    (M + ["--profile", "a100-pcie", "--model", "llama2-7b"], "Did you mean 'a100-pcie4'"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--n-trials", "3"],
+     "--n-trials: only for --objective measured"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--quick"], "--quick: only"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--topk-grid", "x"],
+     "--topk-grid"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--topk-grid", "1.5"],
+     "topk_ratio"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--interval-grid", "2.5"],
+     "--interval-grid"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--save-as", "Bad/Name"],
+     "invalid profile name"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--mfu", "2"], "--mfu"),
+    (["run", "--model", "llama2-7b"], "--model: only with --objective modelled"),
+    (["run", "--gpus", "2"], "--gpus: only with --objective modelled"),
+    (["run", "--profile", "a", "--save-as", "b"], "give one"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--objective", "guessed"],
+     "invalid choice"),
+])
+def test_cli_bad_combinations_exit_1_with_a_clear_message(argv, message, dirs, no_training,
+                                                         capsys):
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "usage:" in err and message in err
+
+
+def test_default_quality_settings_are_the_tuners_defaults():
+    from autotune.workload import DEFAULT_WORKLOAD
+
+    factory, ts = MD.default_quality_settings()
+    d = TuneSettings()
+    assert ts.workload == DEFAULT_WORKLOAD and ts.device == "cpu"
+    assert (ts.lr, ts.steps, ts.loss_margin, ts.seed) == (d.lr, d.steps, d.loss_margin, d.seed)
+    from zenflow_triton import ZenFlowConfig
+    from zenflow_triton.config import DEFAULT_SELECT_INTERVAL_WINDOWS
+
+    pts = MD.QualityGrid().points()
+    assert len(pts) == 35
+    assert all(p["host_lr_scale"] == ZenFlowConfig().host_lr_scale and p["overlap"] is True
+               and p["select_interval"] == DEFAULT_SELECT_INTERVAL_WINDOWS * p["update_interval"]
+               for p in pts)
+    assert MD.default_save_name("a100-pcie4", "llama2-7b", 1, None) == "a100-pcie4-llama2-7b"
+    assert MD.default_save_name("gh200", "qwen2.5-3b", 4, 8192) == "gh200-qwen2.5-3b-4gpu-8192tok"
+    json.dumps(MD.QualityGrid().points())  # JSON-able: they are stored as study keys
+
+
+# ---- the built-in profiles (bench/regenerate_profiles.py) ---------------------------------------
+@pytest.mark.parametrize("name", ["a100-pcie4", "a100-sxm4", "h100-pcie5", "h100-sxm5",
+                                  "h200-sxm", "gh200", "l40s-pcie4", "rtx4090-pcie4"])
+def test_builtin_gpu_profiles_record_what_the_model_gives_for_their_settings(name, dirs):
+    """A built-in GPU profile's recorded step time and stall are the step-time model's for
+    its settings today: if this fails, the model changed, so rerun
+    ``python bench/regenerate_profiles.py`` (the quality grid is stored: no training)."""
+    prof = load_profile(name)
+    pv = prof.provenance
+    assert pv["source"] == "modelled" and pv["hardware_profile"] == name
+    hw = SM.Hardware.from_profile(prof)
+    wl = SM.Workload.from_preset(pv["model"], tokens=pv["tokens"], mfu=pv["mfu"])
+    p = SM.predict(hw, wl, "zenflow", gpus=pv["gpus"], config=dict(prof.settings))
+    zo = SM.predict(hw, wl, "zero-offload", gpus=pv["gpus"], config=dict(prof.settings))
+    obj = pv["objective"]
+    assert p.fits
+    assert p.modelled_step_time_s == pytest.approx(obj["step_time_s"], rel=1e-9)
+    assert p.stall_fraction == pytest.approx(obj["stall_fraction"], rel=1e-9, abs=1e-12)
+    assert zo.modelled_step_time_s == pytest.approx(obj["zero_offload_step_time_s"], rel=1e-9)
+    assert obj["tokens_per_s_per_gpu"] == pytest.approx(wl.tokens / p.modelled_step_time_s)

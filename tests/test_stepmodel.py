@@ -1,0 +1,493 @@
+"""The step-time model (autotune/stepmodel.py): its arithmetic on hand-computable cases, its
+monotonicity, the ZeRO-Offload equivalence, its memory accounting against the optimizer's
+own stats(), the presets against transformers' models, the gh200 profile and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autotune import cli
+from autotune import stepmodel as S
+from zenflow_triton import profiles as P
+
+
+@pytest.fixture(autouse=True)
+def user_dir(tmp_path, monkeypatch):  # no user profile shadows a built-in here
+    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path / "profiles"))
+
+
+def hw(**kw) -> S.Hardware:
+    base = dict(name="test", device_flops=1e12, device_memory_bandwidth=1e11,
+                link_bandwidth=1e9, device_memory_bytes=None, host_adam_elements_per_s=1e9,
+                accelerators_per_node=8)
+    base.update(kw)
+    return S.Hardware(**base)
+
+
+def one_layer(flops_per_token=6 * 2e6, tokens=100, small=1000) -> S.Workload:
+    params = (S.ParamSpec("w", (1000, 2000)),) + ((S.ParamSpec("b", (small,)),) if small else ())
+    return S.Workload("one", (S.Layer("l0", params, flops_per_token),), tokens=tokens, mfu=0.5)
+
+
+def blocks(n=4, rows=512, cols=512, tokens=64) -> S.Workload:
+    layers = tuple(S.Layer(f"b{i}", (S.ParamSpec(f"b{i}.w", (rows, cols)),
+                                     S.ParamSpec(f"b{i}.n", (cols,))), 6.0 * rows * cols)
+                   for i in range(n))
+    return S.Workload("blocks", layers, tokens=tokens, mfu=0.5)
+
+
+# ---- hand-computable cases -------------------------------------------------------------------
+def test_zero_offload_step_is_compute_plus_link_plus_host_in_series():
+    h, wl = hw(), one_layer()
+    p = S.predict(h, wl, "zero-offload", update_interval=1)
+    C = 6 * 2e6 * 100 / (0.5 * 1e12)           # 2.4 ms of forward + backward
+    small = 1000 * 28 / 1e11                    # the bias's device AdamW
+    down = up = 2e6 * 2 / 1e9                   # 2M bf16 elements each way at 1 GB/s
+    host = 2e6 / 1e9
+    assert p.step_time_s == pytest.approx(C + small + down + host + up, rel=1e-12)
+    assert p.link_bytes_per_step == 2 * 2e6 * 2
+    assert p.host_busy_fraction == pytest.approx(host / p.step_time_s, rel=1e-12)
+    assert p.stall_fraction == pytest.approx((down + host + up) / p.step_time_s, rel=1e-12)
+
+
+def test_link_bound_step_is_bytes_over_bandwidth():
+    # No compute, no small params, a host that takes no time: the delayed-update pipeline
+    # is limited by the link alone, one gradient (down) and one param copy (up) per step.
+    wl = one_layer(flops_per_token=0.0, small=0)
+    p = S.predict(hw(host_adam_elements_per_s=1e300), wl, "zero-offload-dpu")
+    assert p.step_time_s == pytest.approx(2e6 * 2 / 1e9, rel=1e-12)
+    assert p.stall_fraction == pytest.approx(1.0)
+    sync = S.predict(hw(host_adam_elements_per_s=1e300), wl, "zero-offload")
+    assert sync.step_time_s == pytest.approx(2 * 2e6 * 2 / 1e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("flops,link,host", [(6 * 2e6, 1e9, 1e9), (6 * 2e7, 1e9, 1e9),
+                                             (6 * 2e6, 1e8, 1e10), (6 * 2e5, 1e10, 2e8),
+                                             (6 * 2e7, 1e11, 1e8)])
+def test_delayed_update_is_the_maximum_cycle_mean(flops, link, host):
+    h, wl = hw(link_bandwidth=link, host_adam_elements_per_s=host), one_layer(flops)
+    C = flops * 100 / 0.5e12
+    F, B, s = C / 3, 2 * C / 3, 1000 * 28 / 1e11
+    d = u = 2e6 * 2 / link
+    hh = 2e6 / host
+    expect = max(F + B + s, B + s + d, hh, u, (F + B + s + d + hh + u) / 2)
+    assert S.predict(h, wl, "zero-offload-dpu").step_time_s == pytest.approx(expect, rel=1e-9)
+
+
+def test_zenflow_synchronous_window_is_the_sum_of_its_parts():
+    h, wl, K = hw(), one_layer(small=0), 4
+    p = S.predict(h, wl, "zenflow", topk_ratio=0.1, update_interval=K, overlap=False)
+    C = 6 * 2e6 * 100 / 0.5e12
+    e_dev, e_host = 1000 * 200, 1000 * 1800     # k = round(0.1 * 2000) = 200 columns
+    dev = e_dev * 28 / 1e11
+    score = 2e6 * 2 / 1e11 / (16 * K)           # one gradient read per selection, amortised
+    acc = e_host * (2 + 8) / 1e11               # bf16 grad + fp32 accumulator read/write
+    mean = e_host * (4 + 2) / 1e11
+    down = up = e_host * 2 / 1e9
+    host = e_host / 1e9
+    scatter = e_host * 4 / 1e11
+    window = K * (C + dev + score + acc) + mean + down + host + up + scatter
+    assert p.step_time_s == pytest.approx(window / K, rel=1e-12)
+    assert p.link_bytes_per_step == pytest.approx(2 * e_host * 2 / K)
+    assert p.window_time_s == pytest.approx(window, rel=1e-12)
+
+
+@pytest.mark.parametrize("host", [1e10, 1e8])  # host hidden / host bound
+def test_zenflow_overlapped_window(host):
+    h, wl, K = hw(host_adam_elements_per_s=host, link_bandwidth=1e10), one_layer(small=0), 4
+    p = S.predict(h, wl, "zenflow", topk_ratio=0.1, update_interval=K, overlap=True)
+    C = 6 * 2e6 * 100 / 0.5e12
+    e_dev, e_host = 1000 * 200, 1000 * 1800
+    step_dev = C + e_dev * 28 / 1e11 + 2e6 * 2 / 1e11 / (16 * K) + e_host * 10 / 1e11
+    mean, scatter = e_host * 6 / 1e11, e_host * 4 / 1e11
+    down = up = e_host * 2 / 1e10   # shorter than a step: the next accumulation never waits
+    # the job launched at a boundary is applied at the next one; its params-up copy is
+    # issued there (the apply point), so it is never hidden
+    window = max(K * step_dev, down + e_host / host) + up + scatter + mean
+    assert p.window_time_s == pytest.approx(window, rel=1e-12)
+    busy = K * step_dev + mean + scatter
+    assert p.stall_fraction == pytest.approx((window - busy + K * (p.step_time_s - window / K))
+                                             / (K * p.step_time_s), rel=1e-9)
+    early = S.predict(h, wl, "zenflow", topk_ratio=0.1, update_interval=K,
+                      prefetch_result=True)
+    assert early.window_time_s <= p.window_time_s
+
+
+def test_overlapped_offload_of_one_layer_is_zero_offload_and_pipelining_helps():
+    h = hw(host_adam_elements_per_s=5e8)
+    one = one_layer(small=0)
+    assert (S.predict(h, one, "overlapped-offload").step_time_s
+            == pytest.approx(S.predict(h, one, "zero-offload").step_time_s, rel=1e-12))
+    wl = blocks(n=8)
+    ov = S.predict(h, wl, "overlapped-offload")
+    zo = S.predict(h, wl, "zero-offload")
+    F = sum(l.flops_per_token for l in wl.layers) * wl.tokens / 0.5e12 / 3
+    host = wl.numel / 5e8 - 8 * 512 / 5e8
+    assert ov.step_time_s < zo.step_time_s
+    # exact AdamW: the first layer's params come back last, so the forward cannot overlap
+    # the host's work of the same step
+    assert ov.step_time_s >= F + host
+
+
+def test_adamw_is_compute_plus_memory_bound_update_and_sharded_over_gpus():
+    h, wl = hw(), one_layer()
+    C = 6 * 2e6 * 100 / 0.5e12
+    assert S.predict(h, wl, "adamw").step_time_s == pytest.approx(
+        C + wl.numel * 28 / 1e11, rel=1e-12)
+    assert S.predict(h, wl, "adamw", gpus=4).step_time_s == pytest.approx(
+        C + wl.numel / 4 * 28 / 1e11, rel=1e-12)
+    p = S.predict(h, wl, "adamw")
+    assert p.link_bytes_per_step == 0 and p.host_busy_fraction == 0 and p.stall_fraction == 0
+
+
+# ---- the equivalence -------------------------------------------------------------------------
+@pytest.mark.parametrize("profile", ["a100-pcie4", "h100-pcie5", "gh200"])
+@pytest.mark.parametrize("model,gpus", [("llama2-7b", 1), ("opt-350m", 4), ("qwen2.5-3b", 2)])
+def test_zenflow_zero_offload_mode_predicts_exactly_the_zero_offload_step(profile, model, gpus):
+    h, wl = S.Hardware.from_profile(profile), S.Workload.from_preset(model)
+    zf = S.predict(h, wl, "zenflow", gpus=gpus, topk_ratio=0.0, update_interval=1,
+                   overlap=False)
+    zo = S.predict(h, wl, "zero-offload", gpus=gpus, window_steps=1)
+    for key in ("modelled_step_time_s", "stall_fraction", "link_bytes_per_step",
+                "link_down_bytes_per_step", "link_up_bytes_per_step", "host_busy_fraction",
+                "device_memory_bytes", "host_memory_bytes"):
+        assert getattr(zf, key) == getattr(zo, key), key
+    assert zf.step_time_s == zo.step_time_s
+
+
+# ---- monotonicity ----------------------------------------------------------------------------
+SETTINGS = [dict(topk_ratio=0.1, update_interval=4), dict(topk_ratio=0.1, update_interval=4,
+                                                           overlap=False),
+            dict(topk_ratio=0.05, update_interval=8, accumulate_on="host"),
+            dict(topk_ratio=0.0, update_interval=1, overlap=False),
+            dict(topk_ratio=0.3, update_interval=2, accumulate_on="host", overlap=False),
+            dict(topk_ratio=0.0, update_interval=1)]
+
+
+def _steps(h, wl, gpus=1):
+    out = []
+    for st in SETTINGS:
+        for mode in S.MODES:
+            out.append(S.predict(h, wl, mode, gpus=gpus, **st).modelled_step_time_s)
+    return out
+
+
+@pytest.mark.parametrize("model,gpus", [("opt-350m", 1), ("llama2-7b", 4)])
+def test_more_link_bandwidth_never_slows_a_step(model, gpus):
+    wl = S.Workload.from_preset(model, tokens=2048)
+    base = S.Hardware.from_profile("a100-pcie4")
+    prev = None
+    for gb in (4, 16, 32, 64, 128, 450, 2000):
+        cur = _steps(S.Hardware(**{**base.__dict__, "link_bandwidth": gb * 1e9}), wl, gpus)
+        if prev is not None:
+            assert all(c <= p * (1 + 1e-12) for c, p in zip(cur, prev)), gb
+        prev = cur
+
+
+@pytest.mark.parametrize("model,gpus", [("opt-350m", 1), ("llama2-7b", 4)])
+def test_more_host_throughput_never_slows_a_step(model, gpus):
+    wl = S.Workload.from_preset(model, tokens=2048)
+    prev = None
+    for rate in (2e8, 1e9, 4e9, 1.6e10, 1e11):
+        cur = _steps(S.Hardware.from_profile("h100-pcie5", host_adam_elements_per_s=rate), wl,
+                     gpus)
+        if prev is not None:
+            assert all(c <= p * (1 + 1e-12) for c, p in zip(cur, prev)), rate
+        prev = cur
+
+
+def test_faster_device_never_slows_a_step():
+    wl = S.Workload.from_preset("opt-350m")
+    base = S.Hardware.from_profile("a100-pcie4")
+    prev = None
+    for scale in (0.25, 1, 4):
+        h = S.Hardware(**{**base.__dict__, "device_flops": base.device_flops * scale,
+                          "device_memory_bandwidth": base.device_memory_bandwidth * scale})
+        cur = _steps(h, wl)
+        if prev is not None:
+            assert all(c <= p * (1 + 1e-12) for c, p in zip(cur, prev)), scale
+        prev = cur
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+@pytest.mark.parametrize("interval", [1, 4])
+def test_larger_topk_ratio_never_increases_zenflow_link_bytes(accumulate_on, interval):
+    h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("qwen2.5-3b")
+    got = [S.predict(h, wl, "zenflow", topk_ratio=r, update_interval=interval,
+                     accumulate_on=accumulate_on).link_bytes_per_step
+           for r in (0.0, 0.01, 0.05, 0.1, 0.3, 0.7, 1.0)]
+    assert all(b <= a for a, b in zip(got, got[1:]))
+    assert got[-1] == 0 and got[0] > 0
+
+
+def test_link_bytes_per_gpu_fall_as_one_over_gpus():
+    h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
+    for mode in ("zero-offload", "zenflow"):
+        one = S.predict(h, wl, mode, gpus=1).link_bytes_per_step
+        four = S.predict(h, wl, mode, gpus=4).link_bytes_per_step
+        assert four == pytest.approx(one / 4, rel=1e-12)
+
+
+# ---- link bytes as the optimizer counts them (README "Performance") -----------------------
+def test_link_bytes_match_the_measured_ratios():
+    h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
+    model_bytes = wl.numel * 2
+    ratio = {acc: S.predict(h, wl, "zenflow", accumulate_on=acc).link_bytes_per_step
+             / model_bytes for acc in ("device", "host")}
+    assert S.predict(h, wl, "zero-offload").link_bytes_per_step / model_bytes == \
+        pytest.approx(2.0, abs=1e-3)
+    assert ratio["device"] == pytest.approx(0.9 * 2 / 4, abs=2e-3)       # measured 0.46x
+    assert ratio["host"] == pytest.approx(0.9 + 0.9 / 4, abs=2e-3)       # measured 1.13x
+
+
+# ---- memory: the optimizer's own byte accounting -----------------------------------------------
+@pytest.mark.parametrize("cfg", [dict(), dict(topk_ratio=0.0, update_interval=1, overlap=False)])
+def test_memory_matches_the_optimizers_stats(cfg):
+    from zenflow_triton import ZenFlowOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.Linear(1024, 1024, bias=False) for _ in range(16)]
+                                ).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(1)
+    with ZenFlowOptimizer(model.parameters(), lr=1e-3, host_threads=threads, **cfg) as opt:
+        for _ in range(9):
+            for p in model.parameters():
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+            opt.step()
+        st = opt.stats()
+    wl = S.Workload.from_module(model)
+    pred = S.predict(hw(), wl, "zenflow", host_threads=threads, **cfg)
+    dev = sum(v for k, v in pred.memory["device"].items() if k not in ("params", "grads"))
+    host = sum(pred.memory["host"].values())
+    assert dev == pytest.approx(st["device_state_bytes"], rel=0.01, abs=1024)
+    assert host == pytest.approx(st["host_state_bytes"], rel=0.01)
+    assert pred.device_memory_bytes == pytest.approx(dev + 2 * 2 * wl.numel, abs=1)
+
+
+def test_memory_per_param_follows_the_readme_table():
+    h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
+    n = wl.numel
+
+    def per_param(mode, **st):
+        m = S.predict(h, wl, mode, **st).memory
+        dev = sum(v for k, v in m["device"].items() if k not in ("params", "grads"))
+        return dev / n, sum(m["host"].values()) / n
+
+    dev, host = per_param("zenflow")
+    assert dev == pytest.approx(4.8, abs=0.02) and host == pytest.approx(12.6, abs=0.02)
+    dev, host = per_param("zenflow", accumulate_on="host")
+    assert dev == pytest.approx(1.2, abs=0.02) and host == pytest.approx(16.2, abs=0.02)
+    dev, host = per_param("zenflow", host_state_dtype="bfloat16", accumulator_dtype="bfloat16")
+    assert dev == pytest.approx(3.0, abs=0.02) and host == pytest.approx(9.0, abs=0.02)
+    assert per_param("zero-offload")[1] == pytest.approx(12.0, abs=0.02)
+    assert per_param("zero-offload-dpu")[1] == pytest.approx(14.0, abs=0.02)
+    assert per_param("adamw")[0] == pytest.approx(12.0, abs=1e-9)
+    assert S.predict(h, wl, "adamw").fits is False          # 16 B/param of 6.7B > 80 GB
+    assert S.predict(h, wl, "adamw").step_time_s is None
+    assert S.predict(h, wl, "adamw", gpus=4).fits is True   # state sharded over 4 GPUs
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset,published", [("llama2-7b", 6.74e9), ("llama2-13b", 13.02e9),
+                                              ("qwen2.5-3b", 3.09e9), ("opt-350m", 331e6)])
+def test_presets_have_the_published_parameter_counts(preset, published):
+    assert S.Workload.from_preset(preset).numel == pytest.approx(published, rel=2e-3)
+
+
+def test_presets_match_transformers_models_built_on_the_meta_device():
+    transformers = pytest.importorskip("transformers")
+    builds = {
+        "llama2-7b": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)),
+        "qwen2.5-3b": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+            num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+            tie_word_embeddings=True)),
+        "opt-350m": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+            hidden_size=1024, ffn_dim=4096, num_hidden_layers=24, num_attention_heads=16,
+            vocab_size=50272, word_embed_proj_dim=512, do_layer_norm_before=False,
+            max_position_embeddings=2048)),
+    }
+    for name, build in builds.items():
+        with torch.device("meta"):
+            model = build()
+        got = S.Workload.from_module(model, tokens=1024)
+        want = S.Workload.from_preset(name, tokens=1024, seq_len=1)
+        assert got.numel == want.numel, name
+        assert sorted(p.shape for p in got.params) == sorted(p.shape for p in want.params)
+        # matmul FLOPs (tied heads count as matmuls); the preset adds attention, 12 d seq
+        arch = S.PRESETS[name]
+        attn = 12.0 * arch["hidden"] * 1 * arch["layers"]
+        assert got.flops_per_token == pytest.approx(want.flops_per_token - attn, rel=1e-12)
+
+
+def test_unknown_preset_names_the_valid_ones():
+    with pytest.raises(S.StepModelError, match="llama2-7b.*opt-350m.*qwen2.5-3b"):
+        S.Workload.from_preset("llama-7b")
+
+
+# ---- hardware ----------------------------------------------------------------------------------
+def test_hardware_from_profiles():
+    a100 = S.Hardware.from_profile("a100-pcie4")
+    assert a100.link_bandwidth == 32e9 and a100.device_flops == 312e12
+    assert a100.host_rate(1) == S.DEFAULT_HOST_CORES_PER_ACCELERATOR * \
+        S.DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE
+    gh = S.Hardware.from_profile("gh200")
+    assert gh.link_bandwidth == 450e9 and gh.device_memory_bandwidth == 4000e9
+    assert gh.host_cores == 72 and gh.accelerators_per_node == 1
+    assert gh.host_rate(1) == gh.host_rate(8)        # each GH200 has its own Grace
+    node = S.Hardware.from_profile({"name": "x", "hardware": {
+        "bf16_tensor_tflops_dense": 100, "memory_bandwidth_gb_s": 1000,
+        "link_bandwidth_gb_s": 64, "host_adam_elements_per_s": 8e9}})
+    assert node.link_bandwidth == 32e9               # both directions given: halved
+    assert node.host_rate(1) == 8e9 and node.host_rate(4) == 2e9 and node.host_rate(16) == 1e9
+
+
+def test_cpu_profile_has_host_facts_only():
+    cpu = S.Hardware.from_profile("cpu", host_adam_elements_per_s=1e9)
+    assert cpu.host_cores >= 1 and cpu.host_rate() == 1e9
+    wl = S.Workload.from_preset("opt-350m")
+    with pytest.raises(S.StepModelError, match="bf16_tensor_tflops_dense"):
+        S.predict(cpu, wl, "zenflow")
+    e_host = sum(p.shape[0] * (p.cols - S._k(0.1, p.cols)) for p in wl.params
+                 if p.is_matrix(4096))
+    assert S.host_update_seconds(cpu, wl) == pytest.approx(e_host / 1e9)
+
+
+def test_gh200_profile_is_valid_cited_and_listed():
+    prof = P.load_profile("gh200")
+    assert prof.source == "builtin" and prof.provenance["source"] == "modelled"
+    assert prof.provenance["measured"] is False
+    assert any("2505.12242" in c["url"] for c in prof.provenance["citations"])
+    hwd = prof.hardware
+    assert hwd["citation"]["url"].startswith("https://")
+    assert hwd["link_bandwidth_per_direction_gb_s"] * 2 == hwd["link_bandwidth_gb_s"] == 900
+    assert hwd["memory_bandwidth_gb_s"] > P.load_profile("h100-sxm5").hardware[
+        "memory_bandwidth_gb_s"]
+    assert "gh200" in [p.name for p in P.list_profiles()]
+
+
+def test_zenflow_advantage_shrinks_with_a_fast_link():
+    wl = S.Workload.from_preset("llama2-7b")
+    speedup = {}
+    for name in ("a100-pcie4", "h100-pcie5", "gh200"):
+        p = S.predict_all(S.Hardware.from_profile(name), wl)
+        speedup[name] = p["zero-offload"].step_time_s / p["zenflow"].step_time_s
+        link = sum(s.duration for s in p["zero-offload"].timeline if s.lane.startswith("link"))
+        if name == "gh200":  # NVLink-C2C: the link is a small part of the ZeRO-Offload step
+            assert link / p["zero-offload"].window_time_s < 0.05
+    assert speedup["gh200"] < speedup["a100-pcie4"] and speedup["gh200"] < speedup["h100-pcie5"]
+
+
+# ---- outputs -----------------------------------------------------------------------------------
+def test_timeline_lanes_and_steady_state():
+    p = S.predict(S.Hardware.from_profile("h100-pcie5"), S.Workload.from_preset("opt-350m"),
+                  "zenflow", accumulate_on="host", update_interval=8)
+    assert {s.lane for s in p.timeline} <= set(S.LANES)
+    assert all(0 <= s.start <= s.end <= p.window_time_s * (1 + 1e-12) for s in p.timeline)
+    assert p.window_steps == 8
+    assert p.step_time_s >= p.window_time_s / 8      # plus the amortised reselection drain
+    lanes = {lane: sum(s.duration for s in p.timeline if s.lane == lane) for lane in S.LANES}
+    assert lanes["host"] == pytest.approx(p.host_busy_fraction * 8 * p.step_time_s, rel=1e-9)
+    assert lanes["link-down"] > lanes["link-up"] > 0  # the host-owned columns cross each step
+
+
+def test_plot_timelines_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    preds = S.predict_all(S.Hardware.from_profile("a100-pcie4"),
+                          S.Workload.from_preset("opt-350m"))
+    out = S.plot_timelines(preds, tmp_path / "t.png", title="test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibration_reports_every_published_point():
+    rows, assumptions = S.calibration()
+    assert len(rows) == 6 and assumptions["gpus"] == 4
+    by = {r["quantity"]: r for r in rows}
+    assert by["link bytes/step, ZeRO-Offload (x model size)"]["model"] == \
+        pytest.approx(2.0, abs=1e-3)
+    assert by["link bytes/step, ZenFlow (x model size)"]["model"] == pytest.approx(1.125,
+                                                                                   abs=2e-3)
+    for r in rows:
+        assert r["rel_error"] == pytest.approx((r["model"] - r["published"]) / r["published"])
+    assert "| quantity |" in S.calibration_table()
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def test_cli_predict_json(capsys):
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--model", "llama2-7b",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == list(S.MODES)
+    keys = {"step_time_s", "stall_fraction", "link_bytes_per_step", "host_busy_fraction",
+            "device_memory_bytes", "host_memory_bytes"}
+    for mode, d in out.items():
+        assert keys <= set(d), mode
+        assert isinstance(d["device_memory_bytes"], int) and d["host_memory_bytes"] >= 0
+    assert out["adamw"]["step_time_s"] is None and out["adamw"]["fits"] is False
+    prof = P.load_profile("a100-pcie4")  # the profile's settings are the default
+    assert out["zenflow"]["settings"]["topk_ratio"] == prof.settings["topk_ratio"]
+    assert out["zenflow"]["settings"]["update_interval"] == prof.settings["update_interval"]
+    assert "settings" not in out["zero-offload"]
+    assert out["zenflow"]["step_time_s"] < out["zero-offload"]["step_time_s"]
+
+
+def test_cli_predict_options_change_the_prediction(capsys):
+    args = ["predict", "--profile", "h100-pcie5", "--model", "opt-350m", "--json"]
+    assert cli.main(args) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--gpus", "2", "--tokens", "8192", "--topk-ratio", "0.2",
+                            "--update-interval", "8"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert other["zenflow"]["settings"]["topk_ratio"] == 0.2
+    assert other["zenflow"]["settings"]["update_interval"] == 8
+    assert other["zero-offload"]["link_bytes_per_step"] == pytest.approx(
+        base["zero-offload"]["link_bytes_per_step"] / 2, abs=1)
+
+
+def test_cli_predict_table_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    assert cli.main(["predict", "--profile", "gh200", "--model", "llama2-13b",
+                     "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "prediction" in out and "| zenflow |" in out and "| zero-offload |" in out
+    assert png.exists()
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--profile", "a100-pcie4", "--model", "llama-7b"], ["llama2-7b", "opt-350m"]),
+    (["--profile", "a100-pcie", "--model", "llama2-7b"], ["a100-pcie4", "gh200"]),
+    (["--profile", "cpu", "--model", "llama2-7b"], ["bf16_tensor_tflops_dense"]),
+])
+def test_cli_predict_bad_names_exit_2_naming_the_choices(argv, names, capsys):
+    assert cli.main(["predict", *argv]) == 2
+    err = capsys.readouterr().err
+    for n in names:
+        assert n in err
+
+
+def test_cli_predict_measure_host_uses_the_measured_rate(capsys, monkeypatch):
+    import autotune.hardware as H
+
+    args = ["predict", "--profile", "h100-pcie5", "--model", "opt-350m", "--json"]
+    assert cli.main(args) == 0
+    default = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(H, "measure_host_adam", lambda *a, **k: 1e8)  # 16x slower host
+    assert cli.main(args + ["--measure-host"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    n = sum(p.numel for p in S.Workload.from_preset("opt-350m").params if p.is_matrix(4096))
+    slower = measured["zero-offload"]["step_time_s"] - default["zero-offload"]["step_time_s"]
+    assert slower == pytest.approx(n / 1e8 - n / 1.6e9, rel=1e-9)
+
+
+def test_a_gh200_is_detected_as_gh200_not_h200():
+    from autotune.hardware import matching_builtin
+
+    assert matching_builtin({"accelerators": [{"name": "NVIDIA GH200 480GB"}]}) == "gh200"
+    assert matching_builtin({"accelerators": [{"name": "NVIDIA H200"}]}) == "h200-sxm"
