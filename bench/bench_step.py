@@ -26,12 +26,7 @@ RESULTS: dict[str, float] = {}
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    g = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    return model
+    return _report.linear_stack(WIDTH, LAYERS)
 
 
 CASES = {

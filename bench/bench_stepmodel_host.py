@@ -58,12 +58,7 @@ QUICK = dict(width=768, layers=2, windows=3, calib_numel=1 << 22, calib_repeats=
 
 
 def make_model(width: int, layers: int) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    g = torch.Generator().manual_seed(1)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    return model
+    return _report.linear_stack(width, layers)
 
 
 def measure(width: int, layers: int, windows: int, calib_numel: int,
