@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import OPTIMIZERS, run  # noqa: E402
+from train import OPTIMIZERS, STUDY_OPTIMIZERS, run  # noqa: E402
 from workloads import BUILDERS  # noqa: E402
 
 WORKLOADS = {  # name: (lr, steps, eval_every, builder options)
@@ -106,7 +106,7 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS),
+    ap.add_argument("--optimizers", nargs="+", default=list(STUDY_OPTIMIZERS),
                     choices=list(OPTIMIZERS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=None, help="override every workload's steps")

@@ -24,7 +24,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap=False),
     "zenflow": {},  # the shipped defaults
     "zenflow-aggressive": dict(topk_ratio=0.02, update_interval=8),
+    # not in the study's default list: the defaults with the other step-size rule
+    "zenflow-scale-n": dict(host_lr_scale="auto"),
 }
+STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 
 
 def make_optimizer(params, lr: float, zenflow: dict[str, Any] | None):
