@@ -91,8 +91,9 @@ def plot(rows: list[dict], path: str) -> None:
             steps = [p["step"] for p in mine[0]["curve"]]
             mean = [statistics.mean(r["curve"][i]["loss"] for r in mine
                                     if i < len(r["curve"])) for i in range(len(steps))]
-            ax.plot(steps, mean, marker="o", ms=3, label=name)
-        ax.set_title(f"{wl}: held-out loss (mean of {len(mine)} seeds)")
+            ax.plot(steps, mean, marker="o", ms=3,
+                    label=f"{name} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
+        ax.set_title(f"{wl}: held-out loss (mean over each optimizer's seeds)")
         ax.set_xlabel("step")
         ax.set_ylabel("held-out loss (nats)")
         ax.grid(alpha=0.3)
