@@ -203,9 +203,10 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     from . import study as S
     from .hardware import detect, hardware_slug
-    from .objective import TuneSettings, quality_limit
+    from .objective import TuneSettings, guard_summary
     from .space import SearchSpace
-    from .workload import DEFAULT_WORKLOAD, WorkloadError, load_workload_factory
+    from .workload import WorkloadError, load_workload_factory
+    from .workload import prepare as prepare_workload
 
     if not args.verbose:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -265,14 +266,10 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise UsageError(f"--profile: {e}")
     n_trials = args.n_trials or mode["n_trials"]
     timeout = args.timeout if args.timeout is not None else mode["timeout"]
-    if wl_name == DEFAULT_WORKLOAD:  # once per machine, before the study's clock starts
-        from .workload import cache_dir, pretrained_tiny_lm_state
-        try:
-            pretrained_tiny_lm_state(on_miss=lambda: print(
-                f"pretraining the tiny LM once (about a minute; cached in {cache_dir()})",
-                flush=True))
-        except WorkloadError as e:
-            raise UsageError(f"--workload: {e}")
+    try:  # once per machine, before the study's clock starts
+        prepare_workload(wl_name, log=lambda m: print(m, flush=True))
+    except WorkloadError as e:
+        raise UsageError(f"--workload: {e}")
     deadline = time.monotonic() + timeout if timeout else None
     storage_url = args.storage or S.default_storage_url()
     print(f"study {study_name!r} in {S.redact_url(storage_url)}")
@@ -328,14 +325,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             bar["tqdm"].close()
     ref = out.reference
     print()
-    limit = quality_limit(float(ref["heldout_loss"]), out.settings.loss_margin)
-    print(f"AdamW reference held-out loss {ref['heldout_loss']:.4f}; feasible if loss <= "
-          f"{limit:.4f} (within {100 * out.settings.loss_margin:g}% of AdamW's)")
-    init = ref.get("initial_loss")
-    if init is not None and limit >= init:
-        print(f"warning: the guard ({limit:.4f}) is not below the held-out loss before "
-              f"training ({init:.4f}): it cannot tell training from not training on this "
-              "workload; lower --loss-margin or train longer (--steps)")
+    print(guard_summary(ref, out.settings.loss_margin))
     print(S.format_table(out.study, top=args.top))
     if out.best is None:
         print("\nno feasible trial: every completed setting missed the quality guard. "

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 __all__ = ["detect", "matching_builtin", "hardware_slug", "measure_host_adam",
-           "host_adam_settings"]
+           "host_adam_settings", "usable_cpus"]
 
 
 def _cpu_model() -> str:
@@ -26,7 +26,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask on Linux), at least 1."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -60,7 +61,7 @@ def detect() -> dict[str, Any]:
     info: dict[str, Any] = {
         "host": {
             "cpu": _cpu_model(),
-            "usable_cpus": _usable_cpus(),
+            "usable_cpus": usable_cpus(),
             "torch_threads": torch.get_num_threads(),
             "memory_gb": _host_memory_gb(),
             "platform": platform.platform(),

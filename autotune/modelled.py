@@ -41,8 +41,8 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
 
 from . import stepmodel as M
-from .objective import (DIVERGED_VIOLATION, TuneSettings, measure_reference, quality_limit,
-                        set_quality_constraint, train_and_measure)
+from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
+                        quality_limit, set_quality_constraint, train_and_measure)
 
 __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "QualityPoint",
            "QualityStore", "ModelledRow", "ModelledOutcome", "ModelledError",
@@ -569,9 +569,8 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
 
 
 def guard_line(store: QualityStore) -> str:
-    return (f"AdamW reference held-out loss {store.reference['heldout_loss']:.4f}; feasible "
-            f"if loss <= {store.limit:.4f} (within {100 * store.settings.loss_margin:g}% of "
-            "AdamW's)")
+    """The guard line (and warning) of the measured objective, for this store."""
+    return guard_summary(store.reference, store.settings.loss_margin)
 
 
 # ---- the CLI (``zenflow-tune run --objective modelled``) ------------------------------------
@@ -608,7 +607,8 @@ def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
     from zenflow_triton.profiles import ProfileError, ProfileNotFoundError
 
     from .study import default_storage_url, redact_url
-    from .workload import DEFAULT_WORKLOAD, WorkloadError, load_workload_factory
+    from .workload import WorkloadError, load_workload_factory
+    from .workload import prepare as prepare_workload
 
     if not args.profile or not args.model:
         missing = " and ".join(o for o, v in (("--profile NAME", args.profile),
@@ -661,12 +661,10 @@ def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
         grid.points()
     except (ValueError, ModelledError) as e:
         raise usage(str(e)) from None
-    if wl_name == DEFAULT_WORKLOAD:
-        from .workload import cache_dir, pretrained_tiny_lm_state
-
-        pretrained_tiny_lm_state(on_miss=lambda: print(
-            f"pretraining the tiny LM once (about a minute; cached in {cache_dir()})",
-            flush=True))
+    try:  # once per machine, before any grid point trains
+        prepare_workload(wl_name, log=lambda m: print(m, flush=True))
+    except WorkloadError as e:
+        raise usage(f"--workload: {e}") from None
     storage_url = args.storage or default_storage_url()
     print(f"modelled objective: {args.model} on {prof.name!r} ({args.gpus} GPU(s), "
           f"{args.tokens or M.DEFAULT_TOKENS} tokens/GPU/step), speed from the step model; "
@@ -683,10 +681,6 @@ def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
                        log=lambda m: print(m, flush=True), **kw)
     print()
     print(guard_line(out.store))
-    init = out.store.reference.get("initial_loss")
-    if init is not None and out.store.limit >= init:
-        print(f"warning: the guard ({out.store.limit:.4f}) is not below the held-out loss "
-              f"before training ({init:.4f}): it cannot tell training from not training")
     print(format_modelled_table(out, top=args.top))
     if out.best is None:
         why = ("no grid point fits in device memory" if not any(r.fits for r in out.rows)

@@ -28,7 +28,7 @@ from .space import SearchSpace
 from .workload import Workload, build_workload, heldout_loss
 
 __all__ = ["TuneSettings", "TrainResult", "train_and_measure", "measure_reference",
-           "quality_limit", "Objective", "DIVERGED_VIOLATION", "DEFAULT_LOSS_MARGIN"]
+           "quality_limit", "guard_summary", "Objective", "DIVERGED_VIOLATION", "DEFAULT_LOSS_MARGIN"]
 
 DEFAULT_LR = 3e-4
 """A fine-tuning learning rate: a tenth of the embedded workload's pretraining peak (3e-3)."""
@@ -97,6 +97,21 @@ def quality_limit(reference_loss: float, loss_margin: float) -> float:
     """Largest feasible held-out loss: ``ref + loss_margin * |ref|`` (``ref * (1 + margin)``
     for a positive loss)."""
     return reference_loss + loss_margin * abs(reference_loss)
+
+
+def guard_summary(reference: dict[str, Any], loss_margin: float) -> str:
+    """The guard as a run prints it: ``AdamW reference held-out loss X; feasible if loss <= Y
+    (within m% of AdamW's)``, and a warning line when ``Y`` is not below the held-out loss
+    before training (the guard then cannot tell training from not training)."""
+    limit = quality_limit(float(reference["heldout_loss"]), loss_margin)
+    text = (f"AdamW reference held-out loss {reference['heldout_loss']:.4f}; feasible if loss "
+            f"<= {limit:.4f} (within {100 * loss_margin:g}% of AdamW's)")
+    init = reference.get("initial_loss")
+    if init is not None and limit >= init:
+        text += (f"\nwarning: the guard ({limit:.4f}) is not below the held-out loss before "
+                 f"training ({init:.4f}): it cannot tell training from not training on this "
+                 "workload; lower --loss-margin or train longer (--steps)")
+    return text
 
 
 def _sync(device: torch.device) -> None:

@@ -18,11 +18,12 @@ Parameters (Optuna names):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from zenflow_triton import ZenFlowConfig
+
+from .hardware import usable_cpus
 
 __all__ = ["SearchSpace", "default_settings"]
 
@@ -58,10 +59,7 @@ class SearchSpace:
     def host_threads_max(self) -> int:
         if self.max_host_threads is not None:
             return self.max_host_threads
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # not on Linux
-            return max(1, os.cpu_count() or 1)
+        return usable_cpus()
 
     def suggest(self, trial: Any) -> dict[str, Any]:
         """Sample one setting; returns validated ZenFlowConfig field values."""

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from .hardware import usable_cpus
+
 __all__ = [
     "MODES", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
     "Workload", "Segment", "Prediction", "predict", "predict_all", "host_update_seconds",
@@ -139,7 +141,7 @@ class Hardware:
         elif isinstance(cores, int) and cores > 0:
             src["host_cores"] = f"profile {name!r}: host_cores = {cores}"
         elif name == "cpu":
-            cores = _usable_cpus()
+            cores = usable_cpus()
             src["host_cores"] = f"this machine's usable CPUs ({cores}; cpu profile)"
         else:
             cores = None
@@ -212,13 +214,6 @@ class Hardware:
                 f"needs ({', '.join(missing)}); the cpu profile has no accelerator. Pick a GPU "
                 "profile (zenflow-tune list), or use host_update_seconds() for host-side "
                 "predictions only")
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def _profile_hardware(profile: Any) -> tuple[str, dict[str, Any]]:

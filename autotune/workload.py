@@ -275,6 +275,14 @@ def pretrained_tiny_lm_state(*, d: int = 128, n_layers: int = 2, n_heads: int = 
     return state
 
 
+def prepare(name: str, log: Callable[[str], None] = print) -> None:
+    """Work a workload needs once per machine, done before any study clock starts: for the
+    default workload, pretrain (or load) the tiny LM. Raises WorkloadError if it cannot."""
+    if name == DEFAULT_WORKLOAD:
+        pretrained_tiny_lm_state(on_miss=lambda: log(
+            f"pretraining the tiny LM once (about a minute; cached in {cache_dir()})"))
+
+
 def tiny_lm_finetune(seed: int = 0, device: torch.device | str = "cpu", *, d: int = 128,
                      n_layers: int = 2, n_heads: int = 4, seq_len: int = 64,
                      batch_size: int = 16, heldout_batches: int = 4) -> Workload:
