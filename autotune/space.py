@@ -12,7 +12,9 @@ Parameters (Optuna names):
 * ``chunk_log2``        int: ``chunk_size = 2 ** chunk_log2`` elements
 * ``host_threads``      int, ``[1, max_host_threads]``
 * ``host_lr_exponent``  float in [0, 1]: ``host_lr_scale = update_interval ** e``, from 1.0
-  (ZenFlow / DeepSpeed semantics, e = 0) to ``"auto"`` (= update_interval, e = 1)
+  (ZenFlow / DeepSpeed semantics, e = 0) through sqrt(update_interval) (the default "sqrt"
+  rule below its cap, e = 0.5) to ``"auto"`` (= update_interval, e = 1); with
+  ``search_host_lr=False`` the library default
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class SearchSpace:
             e = trial.suggest_float("host_lr_exponent", 0.0, 1.0)
             host_lr_scale: float | str = float(ui) ** e
         else:
-            host_lr_scale = "auto"
+            host_lr_scale = ZenFlowConfig().host_lr_scale
         return self.settings_from(topk_ratio=topk, update_interval=ui,
                                   select_interval=windows * ui, chunk_size=2 ** chunk_log2,
                                   host_threads=threads, host_lr_scale=host_lr_scale)
@@ -99,8 +101,9 @@ class SearchSpace:
             "host_threads": self.host_threads_max,
         }
         if self.search_host_lr:
-            # host_lr_scale = ui ** e: 1.0 (the default) is e = 0, "auto" is e = 1
-            e = math.log(d.effective_host_lr_scale) / math.log(ui) if ui > 1 else 0.0
+            # host_lr_scale = ui ** e: the default's multiplier of a full window at this ui
+            # (for "sqrt": e = 0.5 up to its cap)
+            e = math.log(d.host_lr_multiplier(ui)) / math.log(ui) if ui > 1 else 0.0
             p["host_lr_exponent"] = clip(e, 0.0, 1.0)
         return p
 

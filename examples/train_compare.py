@@ -71,14 +71,15 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=4)
-    ap.add_argument("--host-lr-scale", default="1.0",
-                    help='a number (1.0, the default: ZenFlow/DeepSpeed semantics) or "auto" '
-                         '(= update_interval; overshoots at long windows, docs/design.md)')
+    ap.add_argument("--host-lr-scale", default="sqrt",
+                    help='"sqrt" (the default: sqrt(update_interval), at most 2), "auto" '
+                         '(= update_interval; overshoots at long windows, docs/design.md) or a '
+                         'number (1.0: ZenFlow/DeepSpeed semantics)')
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     setup = tinylm_setup if args.model == "tinylm" else smollm2_setup
     lr = args.lr or (3e-3 if args.model == "tinylm" else 2e-5)
-    host_lr_scale = args.host_lr_scale if args.host_lr_scale == "auto" \
+    host_lr_scale = args.host_lr_scale if args.host_lr_scale in ("auto", "sqrt") \
         else float(args.host_lr_scale)
     model0, batches, loss_fn, heldout = setup(args)
     init = copy.deepcopy(model0.state_dict())

@@ -25,7 +25,7 @@ def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step):
 
 class ReferenceZenFlow:
     def __init__(self, param_groups, *, topk_ratio, update_interval, select_interval,
-                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale=1.0,
+                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale="sqrt",
                  accumulate_on="device", accumulator_dtype="float32",
                  host_state_dtype="float32"):
         self.groups = param_groups
@@ -35,7 +35,8 @@ class ReferenceZenFlow:
         self.overlap = overlap
         self.warmup = warmup_steps
         self.min_numel = min_offload_numel
-        self.host_scale = host_lr_scale  # a number, or "auto" (the window's gradient count)
+        # a number, "auto" (the window's gradient count n) or "sqrt" (sqrt(n), at most 2)
+        self.host_scale = host_lr_scale
         # A window mean made on the device crosses to the host in the param's dtype.
         self.mean_crosses = accumulate_on == "device"
         # A bf16 accumulator rounds each step's sum (fp32 add, round to nearest even); a
@@ -167,6 +168,7 @@ class ReferenceZenFlow:
                         mean = mean.to(p.dtype).float()
                     # Warm-up is plain AdamW; "auto" scales by the window's gradient count.
                     scale = (1.0 if warm else float(s["n"]) if self.host_scale == "auto"
+                             else min(math.sqrt(s["n"]), 2.0) if self.host_scale == "sqrt"
                              else float(self.host_scale))
                     _adamw(w, mean, m, v, lr=grp["lr"] * scale, b1=b1, b2=b2,
                            eps=grp["eps"], wd=grp["weight_decay"], step=s["sh"])

@@ -9,6 +9,8 @@ Bit-exact checks are kept for the same computation (thread counts, chunk sizes).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -58,7 +60,8 @@ def run_reference(feed, dtype=torch.float32, masters=False, clip=None, **cfg):
 def host_lr(cfg) -> float:
     """The largest lr any host update of ``cfg`` uses (warmup_lambda is at most 1)."""
     scale = cfg.get("host_lr_scale", ZenFlowConfig().host_lr_scale)
-    return LR * (cfg.get("update_interval", 4) if scale == "auto" else max(1.0, scale))
+    full = ZenFlowConfig(update_interval=cfg.get("update_interval", 4), host_lr_scale=scale)
+    return LR * max(1.0, full.effective_host_lr_scale)
 
 
 # ------------------------------------------------------------------ against torch AdamW
@@ -161,11 +164,16 @@ def test_deferred_schedule_differs_from_adamw():
     assert_not_close(got, run_adamw(feed), 12, host_lr({"update_interval": 4}))
 
 
-def test_auto_scale_is_the_window_gradient_count():
+@pytest.mark.parametrize("rule,interval,moves", [("auto", 4, (4, 2)),
+                                                  ("sqrt", 4, (2, math.sqrt(2))),
+                                                  ("sqrt", 8, (2, math.sqrt(2)))])
+def test_host_scale_follows_the_window_gradient_count(rule, interval, moves):
     """Under host_lr_scale="auto" a window's host step is scaled by the number of gradients
-    the param accumulated in it, so with a constant gradient a deferred column travels as
+    n the param accumulated in it, so with a constant gradient a deferred column travels as
     far as it would under AdamW: a param with a gradient on all 4 steps of a window moves 4
-    AdamW steps, one that first gets a gradient on step 3 moves 2 (not 4)."""
+    AdamW steps, one that gets its first gradient 2 steps before the window ends moves 2
+    (not 4). Under "sqrt" (the default) the same windows move sqrt(4) = 2 and sqrt(2) steps,
+    and a full window of 8 moves 2, the cap, not sqrt(8)."""
     torch.manual_seed(0)
     full = torch.nn.Parameter(torch.randn(16, 8))
     late = torch.nn.Parameter(torch.randn(16, 8))
@@ -177,9 +185,9 @@ def test_auto_scale_is_the_window_gradient_count():
         for p, w in ((full, w_full), (late, w_late)):
             p.data.copy_(w)
         opt = make_opt([full, late])
-        for t in range(1, 5):
+        for t in range(1, interval + 1):
             full.grad = g_full.clone()
-            late.grad = g_late.clone() if t >= 3 else None
+            late.grad = g_late.clone() if t >= interval - 1 else None
             opt.step()
         if hasattr(opt, "close"):
             opt.close()
@@ -187,13 +195,16 @@ def test_auto_scale_is_the_window_gradient_count():
 
     w_full, w_late = full.detach().clone(), late.detach().clone()
     got = run(lambda ps: ZenFlowOptimizer(ps, lr=lr, weight_decay=0.0, topk_ratio=0.0,
-                                          update_interval=4, overlap=False,
-                                          min_offload_numel=1, host_lr_scale="auto"))
-    want = run(lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0, foreach=False))
-    # A constant gradient makes every AdamW step g / (|g| + eps): n steps travel n of them.
-    assert_trajectories_close(got, want, 4, 4 * lr)
-    moved = (got[1] - w_late).abs()
-    torch.testing.assert_close(moved, torch.full_like(moved, 2 * lr), rtol=1e-4, atol=0)
+                                          update_interval=interval, overlap=False,
+                                          min_offload_numel=1, host_lr_scale=rule))
+    # A constant gradient makes every AdamW step g / (|g| + eps), and so every host step
+    # (the window mean is g): the window moves the param by its multiplier times lr.
+    for p, w, m in zip(got, (w_full, w_late), moves):
+        moved = (p - w).abs()
+        torch.testing.assert_close(moved, torch.full_like(moved, m * lr), rtol=1e-4, atol=0)
+    if rule == "auto":  # as far as AdamW travels in the same steps
+        want = run(lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0, foreach=False))
+        assert_trajectories_close(got, want, interval, interval * lr)
 
 
 # ------------------------------------------------------------------ against the reference
@@ -204,6 +215,11 @@ SCHEDULES = [
     dict(topk_ratio=0.3, update_interval=2, select_interval=4, overlap=True, warmup_steps=5),
     dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
          host_lr_scale="auto"),
+    # ZenFlow's and DeepSpeed's semantics: one ordinary step per window
+    dict(topk_ratio=0.2, update_interval=3, select_interval=6, overlap=True, warmup_steps=2,
+         host_lr_scale=1.0),
+    # the default "sqrt" rule at its cap (sqrt(8) > 2)
+    dict(topk_ratio=0.2, update_interval=8, select_interval=8, overlap=True),
     # every column host-owned, synchronous: the job streams the accumulator piece by piece
     # and writes the params itself
     dict(topk_ratio=0.0, update_interval=2, select_interval=4, overlap=False),

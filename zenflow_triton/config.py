@@ -7,6 +7,7 @@ that names the field and the allowed range, never later inside a step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
@@ -20,6 +21,9 @@ StateDtype = Literal["float32", "bfloat16"]
 DEFAULT_CHUNK_SIZE = 1 << 22  # 4M fp32 elements = 16 MiB per staging buffer
 DEFAULT_MIN_OFFLOAD_NUMEL = 4096
 DEFAULT_SELECT_INTERVAL_WINDOWS = 16  # select_interval=None -> 16 update windows
+# host_lr_scale="sqrt" gives min(sqrt(n), SQRT_SCALE_CAP): sqrt of the default update_interval.
+# Uncapped, sqrt(16) = 4 diverged once in the step-size study (docs/design.md).
+SQRT_SCALE_CAP = 2.0
 
 
 class ConfigError(ValueError):
@@ -88,14 +92,16 @@ class ZenFlowConfig:
     """CPU cores the host AdamW threads are pinned to, e.g. cores the training loop does not
     use (Linux); None = no pinning (default). Never fatal: unusable cores only warn."""
 
-    host_lr_scale: Union[float, Literal["auto"]] = 1.0
-    """Host learning-rate multiplier (> 0) of every window after warm-up. 1.0 (the default):
-    one ordinary AdamW step per window, ZenFlow's and DeepSpeed's semantics; the rule that
-    never diverged and gave the best held-out loss in the step-size study (docs/design.md,
-    "The host step size"). "auto": the number of gradients the param accumulated in the
-    window (update_interval for a full window), so a deferred column travels about as far
-    per step as under AdamW; it overshoots and diverged at long windows in that study. Warm-up
-    steps are plain AdamW: multiplier 1 whatever this is."""
+    host_lr_scale: Union[float, Literal["auto", "sqrt"]] = "sqrt"
+    """Host learning-rate multiplier of a window after warm-up, for a param that accumulated
+    n gradients in it (n = update_interval for a full window). "sqrt" (the default):
+    min(sqrt(n), SQRT_SCALE_CAP = 2), which is as far as AdamW travels when gradient noise
+    dominates the step (fine-tuning), and never farther; the step-size study chose it
+    (docs/design.md, "The host step size"). "auto": n, as far as AdamW travels when the
+    gradient is steady; it overshoots and diverged at long windows in that study. A number
+    x > 0: x for every window; 1.0 is ZenFlow's and DeepSpeed's semantics (one ordinary AdamW
+    step per window), which lags AdamW at fine-tuning learning rates. Warm-up steps are plain
+    AdamW: multiplier 1 whatever this is."""
 
     check_finite: bool = True
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any
@@ -137,9 +143,9 @@ class ZenFlowConfig:
                 raise ConfigError("host_cores must be None or a non-empty sequence of core "
                                   f"numbers >= 0, got {cores!r}")
             object.__setattr__(self, "host_cores", tuple(cores))  # lists from JSON profiles
-        if self.host_lr_scale != "auto":
+        if self.host_lr_scale not in ("auto", "sqrt"):
             _check_number("host_lr_scale", self.host_lr_scale, float, lo=0.0, lo_open=True,
-                          rng='> 0 or "auto"')
+                          rng='> 0, "auto" or "sqrt"')
         _check_number("host_timeout", self.host_timeout, float, lo=0.0, lo_open=True, rng="> 0")
 
     # ---- derived values -------------------------------------------------------------
@@ -166,11 +172,14 @@ class ZenFlowConfig:
 
     def host_lr_multiplier(self, n: int, warmup: bool = False) -> float:
         """The host lr multiplier of a window in which the param accumulated ``n`` gradients:
-        1 during warm-up (plain AdamW), n under "auto", the fixed value otherwise."""
+        1 during warm-up (plain AdamW), n under "auto", min(sqrt(n), SQRT_SCALE_CAP) under
+        "sqrt", the fixed value otherwise."""
         if warmup:
             return 1.0
         if self.host_lr_scale == "auto":
             return float(n)
+        if self.host_lr_scale == "sqrt":
+            return min(math.sqrt(n), SQRT_SCALE_CAP)
         return float(self.host_lr_scale)
 
     def replace(self, **changes: Any) -> "ZenFlowConfig":
