@@ -25,19 +25,54 @@ def _row(rule, interval, seed, final, init=2.0, topk=0.01, optimizer="zenflow"):
                 diverged=not math.isfinite(final) or final > init)
 
 
-def test_rule_choice_skips_a_rule_that_diverged_once_even_if_its_mean_is_best():
+def _grid(cap_final=None):
+    """AdamW at 1.0; rule 1 at 1.3; sqrt at 1.1 but one seed at interval 16 above the start;
+    n nan at 16; sqrt-cap run (above the cap, intervals 8 and 16) at ``cap_final``."""
     rows = [_row(None, None, s, 1.0, optimizer="adamw") for s in (0, 1)]
     for k in lr_scale.INTERVALS:
         for s in (0, 1):
             rows.append(_row("1", k, s, 1.3))
             rows.append(_row("sqrt", k, s, 1.1 if (k, s) != (16, 1) else 2.5))  # one above init
             rows.append(_row("n", k, s, 1.2 if k < 16 else math.nan))
+            if cap_final is not None and lr_scale.run_rule("sqrt-cap", k) == "sqrt-cap":
+                rows.append(_row("sqrt-cap", k, s, cap_final))
+    return rows
+
+
+def test_rule_choice_skips_a_rule_that_diverged_once_even_if_its_mean_is_best():
+    rows = _grid()
     text, chosen = lr_scale.report(rows)
     assert chosen == "1"
     assert "DIV(1)" in text and "DIV(2)" in text
+    # sqrt-cap shares sqrt's runs below the cap, but without its own runs above the cap
+    # it is not judged safe
+    assert "2 cells not run" in text
     # without the divergence, sqrt (the lowest mean) would be chosen
     fixed = [dict(r, final=1.1, diverged=False) if r["rule"] == "sqrt" else r for r in rows]
     assert lr_scale.report(fixed)[1] == "sqrt"
+
+
+def test_capped_rule_is_judged_on_its_own_runs_above_the_cap_and_sqrt_below():
+    assert lr_scale.run_rule("sqrt-cap", 4) == "sqrt" and lr_scale.run_rule("sqrt-cap", 8) == "sqrt-cap"
+    assert lr_scale.scale_for("sqrt-cap", 16) == 2.0 and lr_scale.scale_for("sqrt-cap", 2) == 2 ** 0.5
+    assert lr_scale.report(_grid(cap_final=1.15))[1] == "sqrt-cap"  # safe, best grid mean
+    assert lr_scale.report(_grid(cap_final=2.5))[1] == "1"  # diverged above the cap
+
+
+def test_pretrained_models_choose_among_the_safe_rules():
+    rows = _grid(cap_final=1.6)  # sqrt-cap safe but with a worse grid mean than rule 1
+    assert lr_scale.report(rows)[1] == "1"
+    conv = []
+    for seed in (0, 1):
+        for name, loss in (("adamw", 3.0), ("zenflow-scale-1", 3.07), ("zenflow", 3.01),
+                           ("zenflow-scale-n", 2.9)):
+            conv.append(dict(workload="smollm2", optimizer=name, seed=seed,
+                             final=dict(loss=loss)))
+    text, chosen = lr_scale.report(rows, conv)
+    # n is best on the pretrained models but diverged on the grid; sqrt diverged too
+    assert chosen == "sqrt-cap"
+    assert "pretrained models among those that never diverge" in text
+    assert "+0.0700 (2)" in text and "+0.0100 (2)" in text
 
 
 def test_every_rule_diverging_chooses_none():

@@ -24,7 +24,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap=False),
     "zenflow": {},  # the shipped defaults
     "zenflow-aggressive": dict(topk_ratio=0.02, update_interval=8),
-    # not in the study's default list: the defaults with the other step-size rule
+    # not in the study's default list: the defaults and aggressive with the other step-size
+    # rules (1: ZenFlow's and DeepSpeed's semantics, the default before the study; n: "auto")
+    "zenflow-scale-1": dict(host_lr_scale=1.0),
+    "zenflow-aggressive-scale-1": dict(topk_ratio=0.02, update_interval=8, host_lr_scale=1.0),
     "zenflow-scale-n": dict(host_lr_scale="auto"),
 }
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
