@@ -491,3 +491,22 @@ def test_a_gh200_is_detected_as_gh200_not_h200():
 
     assert matching_builtin({"accelerators": [{"name": "NVIDIA GH200 480GB"}]}) == "gh200"
     assert matching_builtin({"accelerators": [{"name": "NVIDIA H200"}]}) == "h200-sxm"
+
+
+def test_fastlink_table_reproduces_what_a_fast_link_changes():
+    """bench/stepmodel_fastlink.py makes docs/stepmodel.md's fast-link table: a faster link
+    speeds up the offload modes, and a faster host erodes ZenFlow's lead over the delayed
+    update (below 1x at 450 GB/s and 4x the default host rate)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "bench" / "stepmodel_fastlink.py"
+    spec = importlib.util.spec_from_file_location("stepmodel_fastlink", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in mod.table(0.1, 4).splitlines()[2:]]
+    assert len(rows) == 6
+    zero = {(r[0], r[1]): float(r[2]) for r in rows}
+    assert zero[("450", "7.2")] < zero[("64", "7.2")] < zero[("32", "7.2")]
+    vs_dpu = {(r[0], r[1]): float(r[7].rstrip("x")) for r in rows}
+    assert vs_dpu[("32", "7.2")] > 1.0 > vs_dpu[("450", "28.8")]
