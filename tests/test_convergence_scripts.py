@@ -126,3 +126,19 @@ def test_a_rising_loss_counts_as_diverged():
     job = _tiny_job()
     out = train.run(job, zenflow=None, lr=50.0, steps=6, eval_every=6)  # far too large
     assert out["diverged"]
+
+
+def test_study_report_compares_with_adamw_on_the_same_seeds():
+    def row(name, seed, loss, acc):
+        return dict(workload="minilm", optimizer=name, seed=seed, seconds=1.0, diverged=False,
+                    final=dict(loss=loss, accuracy=acc))
+
+    rows = [row("adamw", 0, 1.0, 0.90), row("adamw", 1, 2.0, 0.80),
+            row("zenflow", 0, 1.1, 0.91), row("zenflow", 1, 2.1, 0.81),
+            row("zenflow-aggressive", 1, 2.5, 0.70)]  # seed 1 only
+    lines = {ln.split("|")[2].strip(): ln for ln in study.report(rows).splitlines()
+             if ln.startswith("| minilm |")}
+    assert "| +0.1000 |" in lines["zenflow"] and "+1.0 pts" in lines["zenflow"]
+    # seed 1's AdamW (2.0, 80%), not the mean of both seeds (1.5, 85%)
+    assert "| +0.5000 |" in lines["zenflow-aggressive"]
+    assert "-10.0 pts" in lines["zenflow-aggressive"]

@@ -47,20 +47,24 @@ GOALS = {"loss": 0.015, "accuracy": 0.015}  # the shipped defaults vs AdamW, mea
 
 
 def report(rows: list[dict]) -> str:
-    lines = ["| workload | optimizer | held-out loss (mean of seeds) | minus AdamW | "
+    lines = ["| workload | optimizer | held-out loss (mean of seeds) | minus AdamW (same seeds) | "
              "accuracy | minus AdamW | diverged | host updates | wall s per run |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for wl in WORKLOADS:
         rs = [r for r in rows if r["workload"] == wl]
         if not rs:
             continue
-        ref = [r for r in rs if r["optimizer"] == "adamw"]
-        ref_loss = statistics.mean(r["final"]["loss"] for r in ref) if ref else float("nan")
-        ref_acc = statistics.mean(r["final"].get("accuracy") or 0 for r in ref) if ref else 0
+        ref = {r["seed"]: r["final"] for r in rs if r["optimizer"] == "adamw"}
         for name in OPTIMIZERS:
             mine = [r for r in rs if r["optimizer"] == name]
             if not mine:
                 continue
+            # against AdamW on the same seeds (nan where AdamW lacks one of them)
+            same = [ref.get(r["seed"]) for r in mine]
+            ref_loss = (statistics.mean(f["loss"] for f in same) if all(same)
+                        else float("nan"))
+            ref_acc = (statistics.mean(f.get("accuracy") or 0 for f in same) if all(same)
+                       else float("nan"))
             loss = statistics.mean(r["final"]["loss"] for r in mine)
             acc = [r["final"].get("accuracy") for r in mine]
             has_acc = all(a is not None for a in acc)
