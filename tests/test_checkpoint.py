@@ -159,6 +159,30 @@ def test_load_rejects_mismatched_groups():
     opt.close()
 
 
+def test_load_warns_when_the_saved_schedule_or_step_rule_differs():
+    """A state saved under host_lr_scale=1.0 (the default before "sqrt") and loaded into an
+    optimizer with the new default warns, naming the field; execution-only fields (threads,
+    chunk size) and an unchanged config do not."""
+    import warnings
+
+    model = make_model()
+    old = ZenFlowOptimizer(param_groups(model), lr=1e-3, host_lr_scale=1.0, chunk_size=4096,
+                           host_threads=1)
+    sd = roundtrip(old.state_dict())
+    old.close()
+    new = ZenFlowOptimizer(param_groups(model), lr=1e-3)
+    with pytest.warns(UserWarning, match=r"host_lr_scale: 1\.0 -> 'sqrt'") as rec:
+        new.load_state_dict(sd)
+    assert len(rec) == 1 and "chunk_size" not in str(rec[0].message)
+    new.close()
+    same = ZenFlowOptimizer(param_groups(model), lr=1e-3, host_lr_scale=1.0, chunk_size=2048,
+                            host_threads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(sd)
+    same.close()
+
+
 def test_save_sharded_in_one_process_round_trips(tmp_path):
     """save_sharded/load_sharded (torch.distributed.checkpoint) without torch.distributed:
     a world of one, mid-window with host work pending; resuming equals the uninterrupted run

@@ -26,6 +26,8 @@ there; this module only decides when to launch a window, when to wait, and when 
 from __future__ import annotations
 
 import atexit
+import json
+import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -688,6 +690,27 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         for (i, key), t in zip(items, full):
             state[i][key] = t.cpu()
 
+    # Fields that change how, not what, is computed (results are bit-identical across them).
+    _EXECUTION_ONLY = frozenset({"chunk_size", "host_threads", "host_cores", "backend",
+                                 "host_timeout", "check_finite"})
+
+    def _warn_config_change(self, saved: Any) -> None:
+        """This optimizer keeps its own config on load, as torch optimizers keep their
+        constructor's; a resumed run whose schedule or step rule differs from the saved one
+        (say, after a library default changed) is worth a warning that names the fields."""
+        if not isinstance(saved, dict):
+            return
+        mine = json.loads(json.dumps(self.config.to_dict()))
+        saved = json.loads(json.dumps(saved))
+        changed = sorted(k for k in saved.keys() & mine.keys()
+                         if k not in self._EXECUTION_ONLY and saved[k] != mine[k])
+        if changed:
+            what = ", ".join(f"{k}: {saved[k]!r} -> {mine[k]!r}" for k in changed)
+            warnings.warn(f"load_state_dict: the state was saved with a different ZenFlowConfig "
+                          f"({what}); this optimizer continues with its own. Pass the saved "
+                          "values to the constructor to continue the saved run unchanged.",
+                          UserWarning, stacklevel=3)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; device state goes to each param's device, host state to
         (pinned) host memory, index tensors stay int64, whatever device or dtype a framework
@@ -710,6 +733,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         if meta.get("version", _SD_VERSION) > _SD_VERSION:
             raise ValueError(f"state_dict format version {meta['version']} is newer than this "
                              f"zenflow-triton supports ({_SD_VERSION})")
+        self._warn_config_change(meta.get("config"))
         id_map = {}
         for g, sg in zip(self.param_groups, saved_groups):
             id_map.update(zip(sg["params"], g["params"]))
