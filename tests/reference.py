@@ -23,6 +23,21 @@ def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step):
     w.addcdiv_(m, (v.sqrt() / bc2s).add_(eps), value=-(lr / bc1))
 
 
+def _adaptive(m, v, n, j, b1, b2):
+    """The "adaptive" multiplier from the host moments after j host steps, over every host
+    element (the library samples at most 2^16 of them: test params are smaller)."""
+    assert m.numel() <= 1 << 16
+    if n <= 1:
+        return 1.0
+    rho = 0.0
+    den = v.double().sum().item() / (1 - b2 ** j) if j >= 2 else 0.0
+    if den > 0:
+        r = (m.double() ** 2).sum().item() / (1 - b1 ** j) ** 2 / den
+        f = (1 - b1) * (1 + b1 ** j) / ((1 + b1) * (1 - b1 ** j))
+        rho = min(1.0, max(0.0, (r - f) / (1 - f)))
+    return n / math.sqrt(rho + n * (1 - rho))
+
+
 class ReferenceZenFlow:
     def __init__(self, param_groups, *, topk_ratio, update_interval, select_interval,
                  overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale="sqrt",
@@ -35,7 +50,8 @@ class ReferenceZenFlow:
         self.overlap = overlap
         self.warmup = warmup_steps
         self.min_numel = min_offload_numel
-        # a number, "auto" (the window's gradient count n) or "sqrt" (sqrt(n), at most 2)
+        # a number, "auto" (the window's gradient count n), "sqrt" (sqrt(n), at most 2) or
+        # "adaptive" (between sqrt(n) and n by the host moments' signal fraction)
         self.host_scale = host_lr_scale
         # A window mean made on the device crosses to the host in the param's dtype.
         self.mean_crosses = accumulate_on == "device"
@@ -169,6 +185,8 @@ class ReferenceZenFlow:
                     # Warm-up is plain AdamW; "auto" scales by the window's gradient count.
                     scale = (1.0 if warm else float(s["n"]) if self.host_scale == "auto"
                              else min(math.sqrt(s["n"]), 2.0) if self.host_scale == "sqrt"
+                             else _adaptive(m, v, s["n"], s["sh"] - 1, b1, b2)
+                             if self.host_scale == "adaptive"
                              else float(self.host_scale))
                     _adamw(w, mean, m, v, lr=grp["lr"] * scale, b1=b1, b2=b2,
                            eps=grp["eps"], wd=grp["weight_decay"], step=s["sh"])

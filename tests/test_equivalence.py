@@ -61,6 +61,8 @@ def host_lr(cfg) -> float:
     """The largest lr any host update of ``cfg`` uses (warmup_lambda is at most 1)."""
     scale = cfg.get("host_lr_scale", ZenFlowConfig().host_lr_scale)
     full = ZenFlowConfig(update_interval=cfg.get("update_interval", 4), host_lr_scale=scale)
+    if scale == "adaptive":  # at most n (step_size.multiplier)
+        return LR * full.update_interval
     return LR * max(1.0, full.effective_host_lr_scale)
 
 
@@ -73,12 +75,13 @@ def test_topk_one_equals_adamw():
     assert_trajectories_close(got, run_adamw(feed), STEPS, LR)
 
 
-@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.3, 0.7, 1.0])
-def test_interval_one_no_overlap_equals_adamw(ratio):
+@pytest.mark.parametrize("ratio,rule", [(0.0, "sqrt"), (0.05, "sqrt"), (0.3, "sqrt"),
+                                        (0.7, "sqrt"), (1.0, "sqrt"), (0.3, "adaptive")])
+def test_interval_one_no_overlap_equals_adamw(ratio, rule):
     feed = GradFeed(STEPS)
     # Reselect every 3 steps so columns migrate between owners during the run.
     got, stats = run_zenflow(feed, topk_ratio=ratio, update_interval=1, select_interval=3,
-                             overlap=False, zero_grad_via_model=True)
+                             overlap=False, zero_grad_via_model=True, host_lr_scale=rule)
     if 0.0 < ratio < 1.0:
         assert stats["columns_migrated"] > 0
     assert_trajectories_close(got, run_adamw(feed), STEPS, LR)
@@ -220,6 +223,9 @@ SCHEDULES = [
          host_lr_scale=1.0),
     # the default "sqrt" rule at its cap (sqrt(8) > 2)
     dict(topk_ratio=0.2, update_interval=8, select_interval=8, overlap=True),
+    # the adaptive rule: the job reads the host moments before each host step
+    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
+         host_lr_scale="adaptive"),
     # every column host-owned, synchronous: the job streams the accumulator piece by piece
     # and writes the params itself
     dict(topk_ratio=0.0, update_interval=2, select_interval=4, overlap=False),

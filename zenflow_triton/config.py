@@ -92,13 +92,16 @@ class ZenFlowConfig:
     """CPU cores the host AdamW threads are pinned to, e.g. cores the training loop does not
     use (Linux); None = no pinning (default). Never fatal: unusable cores only warn."""
 
-    host_lr_scale: Union[float, Literal["auto", "sqrt"]] = "sqrt"
+    host_lr_scale: Union[float, Literal["auto", "sqrt", "adaptive"]] = "sqrt"
     """Host learning-rate multiplier of a window after warm-up, for a param that accumulated
     n gradients in it (n = update_interval for a full window). "sqrt" (the default):
     min(sqrt(n), SQRT_SCALE_CAP = 2), which is as far as AdamW travels when gradient noise
     dominates the step (fine-tuning), and never farther; the step-size study chose it
     (docs/design.md, "The host step size"). "auto": n, as far as AdamW travels when the
-    gradient is steady; it overshoots and diverged at long windows in that study. A number
+    gradient is steady; it overshoots and diverged at long windows in that study.
+    "adaptive": between sqrt(n) and n by the signal fraction of the window mean, estimated
+    per param from its host moments before each host step (``host.step_size``; 1 when
+    n = 1). A number
     x > 0: x for every window; 1.0 is ZenFlow's and DeepSpeed's semantics (one ordinary AdamW
     step per window), which lags AdamW at fine-tuning learning rates. Warm-up steps are plain
     AdamW: multiplier 1 whatever this is."""
@@ -143,9 +146,9 @@ class ZenFlowConfig:
                 raise ConfigError("host_cores must be None or a non-empty sequence of core "
                                   f"numbers >= 0, got {cores!r}")
             object.__setattr__(self, "host_cores", tuple(cores))  # lists from JSON profiles
-        if self.host_lr_scale not in ("auto", "sqrt"):
+        if self.host_lr_scale not in ("auto", "sqrt", "adaptive"):
             _check_number("host_lr_scale", self.host_lr_scale, float, lo=0.0, lo_open=True,
-                          rng='> 0, "auto" or "sqrt"')
+                          rng='> 0, "auto", "sqrt" or "adaptive"')
         _check_number("host_timeout", self.host_timeout, float, lo=0.0, lo_open=True, rng="> 0")
 
     # ---- derived values -------------------------------------------------------------
@@ -173,14 +176,20 @@ class ZenFlowConfig:
     def host_lr_multiplier(self, n: int, warmup: bool = False) -> float:
         """The host lr multiplier of a window in which the param accumulated ``n`` gradients:
         1 during warm-up (plain AdamW), n under "auto", min(sqrt(n), SQRT_SCALE_CAP) under
-        "sqrt", the fixed value otherwise."""
-        if warmup:
+        "sqrt", the fixed value otherwise. Under "adaptive" this is 1 and the host job
+        multiplies by what the moments say (``adaptive_window``)."""
+        if warmup or self.host_lr_scale == "adaptive":
             return 1.0
         if self.host_lr_scale == "auto":
             return float(n)
         if self.host_lr_scale == "sqrt":
             return min(math.sqrt(n), SQRT_SCALE_CAP)
         return float(self.host_lr_scale)
+
+    def adaptive_window(self, n: int, warmup: bool = False) -> int:
+        """``n`` where the host job resolves this window's multiplier itself (the "adaptive"
+        rule, a window of more than one gradient after warm-up), else 0."""
+        return n if self.host_lr_scale == "adaptive" and not warmup and n > 1 else 0
 
     def replace(self, **changes: Any) -> "ZenFlowConfig":
         """A copy with some fields changed (validated like a new config)."""

@@ -472,7 +472,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 scale = self.config.host_lr_multiplier(count, warmup)
                 hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
                                   eps=group["eps"], weight_decay=group["weight_decay"],
-                                  step=st["host_step"], grad_divisor=float(count))
+                                  step=st["host_step"], grad_divisor=float(count),
+                                  adaptive_window=self.config.adaptive_window(count, warmup))
                 rows = (self._shard.rows(view2d(p).shape[0])  # the accumulators hold only
                         if sharded and source == "direct" else None)  # this rank's rows
                 windows.append(Window(p, st["host_master"], st["host_m"], st["host_v"], hyper,
@@ -562,7 +563,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     device_owned_fraction=dev_elems / total if total else 0.0,
                     host_staging_bytes=self._pipeline.staging_bytes(),
                     **self._memory_bytes(),
-                    host_inflight=self._pipeline.inflight, **self._all_counters())
+                    host_inflight=self._pipeline.inflight,
+                    host_lr_multiplier_mean=_mean(self._pipeline.multipliers.values()),
+                    **self._all_counters())
 
     def _memory_bytes(self) -> dict[str, int]:
         """Bytes of every tensor the optimizer holds, by side: ``device_state_bytes`` (the
@@ -798,6 +801,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state for {self._param_name(p)} has an open window "
                                  f"(acc_count={st['acc_count']}) but no accumulator")
         return st
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
 
 
 def _stop_threads(worker: HostWorker, host_adamw: HostAdamW) -> None:

@@ -46,7 +46,7 @@ from workloads import BUILDERS  # noqa: E402
 from zenflow_triton.config import SQRT_SCALE_CAP  # noqa: E402
 
 # "sqrt-cap" is the shipped "sqrt" rule: sqrt(n), at most SQRT_SCALE_CAP. "sqrt" is uncapped.
-RULES = ("1", "sqrt", "sqrt-cap", "n")
+RULES = ("1", "sqrt", "sqrt-cap", "n", "adaptive")
 INTERVALS = (2, 4, 8, 16)
 DEFAULTS = {  # workload: (lr, steps, builder options)
     "minilm": (5e-5, 160, dict(seq_len=64, batch_size=8)),  # short articles: cheap steps
@@ -57,13 +57,14 @@ DEFAULTS = {  # workload: (lr, steps, builder options)
 
 def scale_for(rule: str, interval: int):
     return {"1": 1.0, "sqrt": math.sqrt(interval),
-            "sqrt-cap": min(math.sqrt(interval), SQRT_SCALE_CAP), "n": "auto"}[rule]
+            "sqrt-cap": min(math.sqrt(interval), SQRT_SCALE_CAP), "n": "auto",
+            "adaptive": "adaptive"}[rule]
 
 
 # study.py's optimizer that runs the shipped defaults (update_interval=4) with each rule.
 # At interval 4 "sqrt" and "sqrt-cap" are the same multiplier (2), so the same runs.
 CONVERGENCE_RULES = {"1": "zenflow-scale-1", "sqrt": "zenflow", "sqrt-cap": "zenflow",
-                     "n": "zenflow-scale-n"}
+                     "n": "zenflow-scale-n", "adaptive": "zenflow-adaptive"}
 
 
 def real_model_gaps(conv_rows: list[dict]) -> dict[str, list[float]]:

@@ -29,6 +29,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-scale-1": dict(host_lr_scale=1.0),
     "zenflow-aggressive-scale-1": dict(topk_ratio=0.02, update_interval=8, host_lr_scale=1.0),
     "zenflow-scale-n": dict(host_lr_scale="auto"),
+    # the adaptive rule (host.step_size): between sqrt(n) and n by the window's signal fraction
+    "zenflow-adaptive": dict(host_lr_scale="adaptive"),
+    "zenflow-aggressive-adaptive": dict(topk_ratio=0.02, update_interval=8,
+                                        host_lr_scale="adaptive"),
 }
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 

@@ -83,6 +83,10 @@ class HostHyper:
     ``grad_divisor``: the gradient is divided by it (in place, in the same pass as the
     update) first; the optimizer passes the window's step count so the update uses the
     window mean. Bit-identical to ``grad.div_(grad_divisor)`` before the update.
+
+    ``adaptive_window``: 0, or the window's gradient count ``n`` when ``lr`` is still to be
+    multiplied by the adaptive step size (``step_size.adaptive_multiplier``), which the job
+    resolves from the moments just before the update (``resolve_adaptive``).
     """
 
     lr: float
@@ -92,6 +96,7 @@ class HostHyper:
     weight_decay: float
     step: int
     grad_divisor: float = 1.0
+    adaptive_window: int = 0
 
 
 @dataclass(frozen=True)

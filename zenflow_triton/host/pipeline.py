@@ -44,6 +44,7 @@ import torch
 from ..transfer import CopyIn, Link, host_empty
 from .adamw import HostAdamW, HostHyper, PieceIO
 from .outbox import Outboxes
+from .step_size import adaptive_multiplier
 from .worker import HostJob, HostWorker
 
 Source = Literal["direct", "device_acc", "host_acc"]
@@ -101,6 +102,8 @@ class HostPipeline:
         self._stored: list[Hashable] = []
         self.wait_seconds = 0.0
         self.busy_seconds = 0.0
+        self.multipliers: dict[Hashable, float] = {}
+        """The adaptive host lr multiplier of each window of the last adaptive job."""
 
     # ------------------------------------------------------------------ every step
     def accumulate(self, items: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -270,13 +273,20 @@ class HostPipeline:
         copied_in = threading.Event()  # the job's thread is past its copy-in
         timeout = self._timeout
 
+        pipeline = self
+
         def run() -> None:
             try:
                 copy_in.wait_on_host(timeout)  # CPU: the copies themselves; CUDA: their event
             finally:
                 copied_in.set()
             try:
-                adamw.update_many(tasks)  # every param of the window in one pool dispatch
+                # The moments are this job's now (the last job was waited for): the adaptive
+                # step sizes read them before the update changes them.
+                resolved, multipliers = resolve_adaptive(tasks, [w.key for w in windows])
+                if multipliers:
+                    pipeline.multipliers = multipliers  # one assignment: readers see all
+                adamw.update_many(resolved)  # every param of the window in one pool dispatch
                 queue.flush()  # streamed jobs: the pieces' zeroing and stores are done
             except BaseException:
                 try:  # a failed job still finishes what it queued
@@ -367,3 +377,19 @@ class HostPipeline:
         """The pool workers' scratch: ``(link buffers, pageable)``: the pieces a streamed job
         copies into them, and the fp32 copies of low-precision moment pieces."""
         return self._adamw.scratch_bytes(), self._adamw.moment_scratch_bytes()
+
+
+def resolve_adaptive(tasks: list, keys: Sequence[Hashable]
+                     ) -> tuple[list, dict[Hashable, float]]:
+    """``tasks`` with every adaptive learning rate resolved (``HostHyper.adaptive_window``):
+    lr times the multiplier that the task's moments give; and those multipliers by key."""
+    out, record = [], {}
+    for key, task in zip(keys, tasks):
+        h = task[4]
+        if h.adaptive_window:
+            c = adaptive_multiplier(task[2], task[3], h.adaptive_window, h.step, h.beta1,
+                                    h.beta2)
+            record[key] = c
+            task = task[:4] + (replace(h, lr=h.lr * c, adaptive_window=0),) + task[5:]
+        out.append(task)
+    return out, record

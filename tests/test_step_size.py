@@ -1,0 +1,131 @@
+"""The adaptive host step size (host_lr_scale="adaptive", zenflow_triton.host.step_size): its
+bounds, its degenerate cases, and what it does inside the optimizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zenflow_triton import ZenFlowOptimizer
+from zenflow_triton.host.step_size import (SAMPLE, adaptive_multiplier, multiplier,
+                                           signal_fraction)
+
+B1, B2 = 0.9, 0.999
+
+
+def adam_moments(window_means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """m and v after one Adam step per row of ``window_means`` (what the host keeps)."""
+    m = torch.zeros(window_means.shape[1:])
+    v = torch.zeros_like(m)
+    for g in window_means:
+        m.lerp_(g, 1 - B1)
+        v.mul_(B2).addcmul_(g, g, value=1 - B2)
+    return m, v
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16])
+def test_multiplier_runs_from_sqrt_n_to_n(n):
+    assert multiplier(n, 1.0) == pytest.approx(n, rel=1e-12)
+    assert multiplier(n, 0.0) == pytest.approx(math.sqrt(n), rel=1e-12)
+    values = [multiplier(n, r / 20) for r in range(21)]
+    assert values == sorted(values)  # more signal, farther
+    assert all(math.sqrt(n) - 1e-12 <= c <= n + 1e-12 for c in values)
+    # out-of-range fractions are clamped, never beyond the bounds
+    assert multiplier(n, 7.0) == multiplier(n, 1.0)
+    assert multiplier(n, -3.0) == multiplier(n, 0.0)
+
+
+def test_one_gradient_per_window_is_plain_adamw():
+    for rho in (0.0, 0.3, 1.0):
+        assert multiplier(1, rho) == 1.0
+
+
+def test_a_steady_gradient_is_signal():
+    """A constant gradient: m_hat^2 = v_hat, so the window mean is all signal and the
+    multiplier is n, as far as n AdamW steps go."""
+    g = torch.randn(64, 32).sign() * (0.5 + torch.rand(64, 32))
+    m, v = adam_moments(g.expand(10, -1, -1))
+    assert signal_fraction(m, v, 10, B1, B2) == pytest.approx(1.0, abs=1e-5)
+    assert adaptive_multiplier(m, v, 8, 11, B1, B2) == pytest.approx(8.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("steps", [2, 5, 30])
+def test_pure_noise_is_noise(steps):
+    """Window means of zero-mean noise: the EMA's own noise is removed from m_hat^2, so the
+    signal fraction is near 0 after any number of steps and the multiplier near sqrt(n)."""
+    torch.manual_seed(steps)
+    m, v = adam_moments(torch.randn(steps, 128, 256))
+    rho = signal_fraction(m, v, steps, B1, B2)
+    assert rho < 0.03, rho
+    assert adaptive_multiplier(m, v, 8, steps + 1, B1, B2) < 1.05 * math.sqrt(8)
+
+
+def test_signal_plus_noise_lands_between():
+    """mu^2 equal to the window mean's noise variance: rho = 1/2."""
+    torch.manual_seed(0)
+    mu = torch.randn(128, 256).sign()
+    m, v = adam_moments(mu + torch.randn(200, 128, 256))
+    assert signal_fraction(m, v, 200, B1, B2) == pytest.approx(0.5, abs=0.06)
+
+
+def test_no_history_assumes_noise():
+    m, v = adam_moments(torch.ones(1, 8, 8))
+    assert signal_fraction(m, v, 1, B1, B2) == 0.0  # one step: m_hat^2 = v_hat, no evidence
+    assert signal_fraction(torch.zeros(8, 8), torch.zeros(8, 8), 5, B1, B2) == 0.0
+    assert adaptive_multiplier(m, v, 4, 1, B1, B2) == 2.0
+
+
+def test_large_params_are_sampled_deterministically_and_bf16_moments_work():
+    torch.manual_seed(1)
+    m, v = adam_moments(torch.randn(6, 4 * SAMPLE + 3) + 0.5)
+    a = signal_fraction(m, v, 6, B1, B2)
+    assert a == signal_fraction(m.clone(), v.clone(), 6, B1, B2)
+    assert 0.0 < a < 1.0
+    b = signal_fraction(m.bfloat16(), v.bfloat16(), 6, B1, B2)
+    assert b == pytest.approx(a, abs=0.02)
+
+
+def test_the_optimizer_steps_a_steady_gradient_by_n_once_it_has_history():
+    """With a constant gradient every host window is pure signal: after the first windows
+    (no history: sqrt(n)) the host step moves a deferred column n AdamW steps, and stats()
+    reports the multiplier."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    g = torch.randn(16, 8).sign() * (0.5 + torch.rand(16, 8))
+    lr, n = 1e-2, 4
+    opt = ZenFlowOptimizer([w], lr=lr, weight_decay=0.0, topk_ratio=0.0, update_interval=n,
+                           overlap=False, min_offload_numel=1, host_lr_scale="adaptive")
+    moves = []
+    for window in range(4):
+        before = w.detach().clone()
+        for _ in range(n):
+            w.grad = g.clone()
+            opt.step()
+        moves.append((w.detach() - before).abs().mean().item() / lr)
+    mult = opt.stats()["host_lr_multiplier_mean"]
+    opt.close()
+    assert moves[0] == pytest.approx(2.0, rel=1e-3)   # sqrt(4): no history
+    assert moves[1] == pytest.approx(2.0, rel=1e-3)   # one step of history: still none
+    assert moves[3] == pytest.approx(4.0, rel=1e-3)   # signal: n
+    assert mult == pytest.approx(4.0, rel=1e-4)
+
+
+def test_adaptive_runs_are_bit_identical_across_threads_and_chunks():
+    from .helpers import batches, make_model, param_groups, params_of, train, warmup_lambda
+    data = batches(24)
+
+    def run(**host):
+        model = make_model()
+        with ZenFlowOptimizer(param_groups(model), min_offload_numel=64, topk_ratio=0.15,
+                              update_interval=4, select_interval=8,
+                              host_lr_scale="adaptive", **host) as opt:
+            train(model, opt, data, torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda))
+            opt.synchronize()
+        return params_of(model)
+
+    a = run(host_threads=2, chunk_size=50)
+    b = run(host_threads=1, chunk_size=1 << 20)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

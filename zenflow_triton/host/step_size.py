@@ -1,0 +1,81 @@
+"""The adaptive host step size (``host_lr_scale="adaptive"``): how far one host AdamW step on
+a window-mean gradient should travel, estimated from the param's own host moments.
+
+A host-owned column gets one Adam step per window of ``n`` gradients. Per element, with
+gradients ``g_t = mu + noise`` (noise variance ``s2``), AdamW's ``n`` steps drift by about
+``n * lr * mu / sqrt(mu^2 + s2)``; one host step on the window mean (noise ``s2 / n``)
+drifts by ``c * lr * mu / sqrt(mu^2 + s2 / n)``. They agree when
+
+    c = n / sqrt(rho + n * (1 - rho)),   rho = mu^2 / (mu^2 + s2 / n),
+
+the signal fraction of the window mean: ``c = n`` for a steady gradient (``rho = 1``),
+``c = sqrt(n)`` for pure noise (``rho = 0``), and ``sqrt(n) <= c <= n`` between, so a window
+never travels farther than ``n`` AdamW steps could. ``n = 1`` gives ``c = 1`` whatever
+``rho``: plain AdamW.
+
+``rho`` comes from the host moments the param already has, before this window's update
+(``k - 1`` host steps): the bias-corrected ``m_hat^2`` overestimates ``mu^2`` by the EMA's
+own noise, ``f * s2/n`` with ``f = (1 - b1)(1 + b1^j) / ((1 + b1)(1 - b1^j))`` after ``j``
+steps, and ``v_hat`` estimates ``mu^2 + s2/n``; so ``rho = (R - f) / (1 - f)``, clamped to
+[0, 1], with ``R = sum m_hat^2 / sum v_hat`` over the param's host half (a fixed strided
+sample of at most ``SAMPLE`` elements, summed in float64 by numpy: deterministic whatever
+the threads). With no history (``j < 2``) the estimate assumes noise: ``c = sqrt(n)``.
+
+An overshoot shows in the next window's gradient as a change of sign, which shrinks
+``m_hat`` and so ``c``: the rule backs off where the stale step overshot. The derivation is
+in docs/design.md, "The host step size".
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+SAMPLE = 1 << 16
+"""Most elements of a param's host moments read to estimate its signal fraction."""
+
+
+def _sample(t: torch.Tensor) -> np.ndarray:
+    flat = t.reshape(-1)
+    if flat.numel() > SAMPLE:
+        stride = (flat.numel() // SAMPLE) | 1  # odd: spreads over the columns of any width
+        flat = flat[::stride]
+    return flat.to(torch.float32).numpy().astype(np.float64)
+
+
+def signal_fraction(m: torch.Tensor, v: torch.Tensor, steps: int, beta1: float,
+                    beta2: float) -> float:
+    """``rho`` in [0, 1] of a param's host half whose moments ``m``, ``v`` hold ``steps``
+    host steps (0 when ``steps < 2``: too little history to tell signal from noise)."""
+    if steps < 2 or m.numel() == 0:
+        return 0.0
+    ms, vs = _sample(m), _sample(v)
+    bc1 = 1.0 - beta1 ** steps
+    bc2 = 1.0 - beta2 ** steps
+    den = float(np.sum(vs)) / bc2
+    if not den > 0.0 or not math.isfinite(den):
+        return 0.0
+    ratio = float(np.sum(ms * ms)) / (bc1 * bc1) / den
+    f = (1.0 - beta1) * (1.0 + beta1 ** steps) / ((1.0 + beta1) * bc1)
+    if f >= 1.0:
+        return 0.0
+    rho = (ratio - f) / (1.0 - f)
+    return min(1.0, max(0.0, rho)) if math.isfinite(rho) else 0.0
+
+
+def multiplier(n: int, rho: float) -> float:
+    """The host lr multiplier of a window of ``n`` gradients whose mean has signal fraction
+    ``rho``: ``n / sqrt(rho + n (1 - rho))``, from ``sqrt(n)`` (noise) to ``n`` (signal)."""
+    if n <= 1:
+        return 1.0
+    rho = min(1.0, max(0.0, rho))
+    return n / math.sqrt(rho + n * (1.0 - rho))
+
+
+def adaptive_multiplier(m: torch.Tensor, v: torch.Tensor, n: int, step: int, beta1: float,
+                        beta2: float) -> float:
+    """The multiplier of host step ``step`` (1-based) on a window of ``n`` gradients, from the
+    moments as they are before it (``step - 1`` steps)."""
+    return multiplier(n, signal_fraction(m, v, step - 1, beta1, beta2))
