@@ -6,9 +6,9 @@ accumulate their gradient and update on the host, asynchronously, every few step
 
 from .config import ConfigError, ZenFlowConfig
 from .host import HostWorkerError
-from .optimizer import NonFiniteGradientError, ZenFlowOptimizer
+from .optimizer import NonFiniteGradientError, OptimizerFailedError, ZenFlowOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = ["ZenFlowOptimizer", "ZenFlowConfig", "ConfigError", "NonFiniteGradientError",
-           "HostWorkerError", "__version__"]
+           "HostWorkerError", "OptimizerFailedError", "__version__"]

@@ -63,6 +63,8 @@ def save_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
     flat: dict[str, Any] = {"param_groups": json.dumps(sd["param_groups"]),
                             "zenflow": json.dumps(sd["zenflow"])}
     for i, st in sd["state"].items():
+        if not (isinstance(i, int) and isinstance(st, dict)):
+            continue  # not a param's state (torch allows any): not in a sharded checkpoint
         meta = {}
         for key, value in st.items():
             if not isinstance(value, torch.Tensor):

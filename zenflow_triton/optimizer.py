@@ -26,7 +26,10 @@ there; this module only decides when to launch a window, when to wait, and when 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import signal
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -39,16 +42,25 @@ from .host import HostAdamW, HostHyper, HostPipeline, HostWorker, HostWorkerErro
 from .kernels import (KernelOps, confirm_nonfinite, get_ops, nonfinite_flags,
                       triton_available)
 from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
-                        new_accumulator, num_selected, select_columns, state_side, view2d)
-from .shard import ROW_SHARDED, RowShard
+                        new_accumulator, num_selected, select_columns, splittable, state_side,
+                        view2d)
+from .shard import ROW_SHARDED, RowShard, ShardError
+from .state_format import (SD_KEY, SD_VERSION, UNSUPPORTED_FLAGS, check_group_flags,
+                           check_param_state, from_adamw, is_adamw, pack, to_adamw)
 from .transfer import Link, to_host_memory
 
-_SD_KEY = "zenflow"
-_SD_VERSION = 1
+_SD_KEY = SD_KEY
+_SD_VERSION = SD_VERSION
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient holds NaN or inf; raised by step() before any state changes."""
+
+
+class OptimizerFailedError(RuntimeError):
+    """An earlier step or host job failed, so the state may be partly updated: every later
+    step(), state_dict() and synchronize() raises this (the original error is its
+    ``__cause__``) until load_state_dict() of a good checkpoint."""
 
 
 _OPEN: "weakref.WeakSet[ZenFlowOptimizer]" = weakref.WeakSet()
@@ -111,9 +123,12 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                         f"{self._param_name(p)} is a DTensor (FSDP2's fully_shard or tensor "
                         "parallelism); ZenFlowOptimizer supports replicated params (DDP) "
                         "only: it shards the host work across ranks itself")
-                if classify(p, self.config) == MATRIX and not p.is_contiguous():
-                    raise ValueError(f"{self._param_name(p)} is not contiguous; "
-                                     "column-split params must be contiguous")
+                if classify(p, self.config) == MATRIX and not splittable(p):
+                    raise ValueError(
+                        f"{self._param_name(p)} has strides {p.stride()}, in which its rows "
+                        "(dim 0) are not the outermost dim of a dense layout; column-split "
+                        "params need one (contiguous, channels_last, or any 2-D layout); "
+                        "raise min_offload_numel to keep it whole on the device")
         self._backend = self._resolve_backend()
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
@@ -128,6 +143,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._empty_halves: dict[tuple, tuple] = {}
         self._deferred_failure: BaseException | None = None  # data parallelism: see step()
+        self._failure: BaseException | None = None  # see OptimizerFailedError
+        self._failed_at = 0
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -140,6 +157,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         self._shutdown.atexit = False  # _close_open_optimizers waits for the work first
         _OPEN.add(self)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, after refusing AdamW options this optimizer does not implement (named)
+        and a Tensor lr."""
+        where = f"param group {len(getattr(self, 'param_groups', []))}"
+        if isinstance(param_group, dict):
+            check_group_flags(param_group, where)
+            if isinstance(param_group.get("lr"), torch.Tensor):
+                raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -180,52 +207,106 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        """One optimizer step; ``closure`` (re-)computes the loss under grad mode first."""
+        """One optimizer step; ``closure`` (re-)computes the loss under grad mode first.
+
+        A step is all or nothing: what may fail or be interrupted (the closure, the checks,
+        the waits for host work) happens before anything changes; after that the step
+        finishes, and a KeyboardInterrupt that arrives meanwhile is raised once it has (so
+        ``stats()["steps"]`` says whether the interrupted step counts). Anything else that
+        raises mid-step leaves the optimizer failed (:class:`OptimizerFailedError`)."""
         self._check_open()
+        self._check_healthy()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = self._collect_grads()  # validates every gradient before any state changes
+        for gi, group in enumerate(self.param_groups):  # a scheduler may have written them
+            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                         where=f"param group {gi}")
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
                                   "(load a checkpoint into a new optimizer)")
+        cfg = self.config
+        u = self._global_step + 1 - cfg.warmup_steps
+        warmup = u <= 0
+        reselect = not warmup and (u - 1) % cfg.effective_select_interval == 0
+        boundary = warmup or u % cfg.update_interval == 0
+        drains_first = reselect or (boundary and cfg.overlap and not warmup)
+        self._wait_before_step(drains_first)
+        with self._whole_step():
+            self._global_step += 1
+            if reselect:
+                self._reselect(work)
+            elif not warmup:
+                # A param seen for the first time after a selection boundary selects now
+                # (its accumulator is empty and nothing of it is pending).
+                fresh = [(g, p, gr) for g, p, gr in work
+                         if self.state[p].get("kind") == MATRIX
+                         and not self.state[p]["selected"] and self.state[p]["acc_count"] == 0
+                         and not self.state[p]["host_pending"]]
+                if fresh:
+                    self._select(fresh)
+            direct = self._device_half(
+                work, single_step_window=boundary and (warmup or cfg.update_interval == 1))
+            if boundary:
+                if cfg.overlap and not warmup:
+                    self._drain()          # apply the window that ended update_interval ago
+                    self._launch_host(direct, apply_now=False)
+                else:
+                    self._launch_host(direct, apply_now=True, warmup=warmup)
+                    self._drain()          # synchronous: apply this window's result now
+        return loss
+
+    def _wait_before_step(self, drains_first: bool) -> None:
+        """The waits of a step that come before any change: a failed host accumulation, the
+        copy-in of the accumulators on loan, and, where the step starts by applying the
+        window in flight, that job. An interrupt here leaves the optimizer before the step."""
         try:
             self._pipeline.check()  # a failed host accumulation raises before any change
-        except HostWorkerError as e:
+            self._pipeline.wait_copy_in()
+            if drains_first:
+                self._pipeline.wait()
+        except (KeyboardInterrupt, NonFiniteGradientError):
+            raise
+        except BaseException as e:
             if not self._shard.sharded:
+                self._fail(e)
                 raise
             # Data parallelism: every rank must hear of it, at the next apply point (where
             # the ranks agree); until then this rank goes on with the others.
             self._deferred_failure = self._deferred_failure or e
 
-        self._global_step += 1
-        cfg = self.config
-        u = self._global_step - cfg.warmup_steps
-        warmup = u <= 0
-        if not warmup and (u - 1) % cfg.effective_select_interval == 0:
-            self._reselect(work)
-        elif not warmup:
-            # A param seen for the first time after a selection boundary selects now (its
-            # accumulator is empty and nothing of it is pending).
-            fresh = [(g, p, gr) for g, p, gr in work
-                     if self.state[p].get("kind") == MATRIX and not self.state[p]["selected"]
-                     and self.state[p]["acc_count"] == 0 and not self.state[p]["host_pending"]]
-            if fresh:
-                self._select(fresh)
+    @contextlib.contextmanager
+    def _whole_step(self):
+        """The changing part of a step: runs to its end. A KeyboardInterrupt (Ctrl-C, or one
+        raised inside a wait for host work) is held back and raised after it; any other
+        exception leaves the optimizer failed."""
+        held: list[BaseException] = []
+        restore = _hold_sigint(held)
+        self._pipeline.shield = held
+        try:
+            yield
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            self._pipeline.shield = None
+            restore()
+        if held:
+            raise held[0]
 
-        boundary = warmup or u % cfg.update_interval == 0
-        direct = self._device_half(
-            work, single_step_window=boundary and (warmup or cfg.update_interval == 1))
+    def _fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure, self._failed_at = error, self._global_step
 
-        if boundary:
-            if cfg.overlap and not warmup:
-                self._drain()          # apply the window that ended update_interval ago
-                self._launch_host(direct, apply_now=False)
-            else:
-                self._launch_host(direct, apply_now=True, warmup=warmup)
-                self._drain()          # synchronous: apply this window's result now
-        return loss
+    def _check_healthy(self) -> None:
+        if self._failure is not None:
+            raise OptimizerFailedError(
+                f"this ZenFlowOptimizer failed at step {self._failed_at} "
+                f"({type(self._failure).__name__}: {self._failure}); its state may be partly "
+                "updated, so it refuses to go on or to save: load_state_dict() a good "
+                "checkpoint to continue") from self._failure
 
     def _collect_grads(self) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
         work = []
@@ -320,7 +401,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         picks: dict[torch.device, list] = {}
         moves = []
         for group, p, g in items:
-            g2d = view2d(g)
+            g2d = view2d(g, like=p)
             cols = g2d.shape[1]
             k = num_selected(cols, self.config.topk_ratio)
             beta1, beta2 = group["betas"]
@@ -365,7 +446,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             has_dev = st["device_idx"].numel() > 0
             if has_dev:
                 st["device_step"] += 1
-            p2d, g2d = view2d(p.detach()), view2d(g)
+            p2d, g2d = view2d(p.detach()), view2d(g, like=p)
             acc = host_idx = None
             if st["host_idx"].numel():
                 host_idx = self._host_idx_on_device(p, st)
@@ -462,8 +543,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                     source, grad = "host_acc", st["acc"]
                 full_host = st["host_idx"].numel() == view2d(p).shape[1]
                 sharded = self._shard.sharded  # then every rank's rows meet at the apply
-                store_into = (p.detach().view(-1) if apply_now and full_host and not sharded
-                              else None)
+                p2d = view2d(p.detach())
+                store_into = (p2d.view(-1) if apply_now and full_host and not sharded
+                              and p2d.is_contiguous() else None)
                 needs_box = store_into is None and (p.device.type == "cuda"
                                                     or p.dtype != torch.float32)
                 st["acc_count"] = 0
@@ -491,6 +573,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         failure, self._deferred_failure = self._deferred_failure, None
         try:
             self._pipeline.wait()
+        except KeyboardInterrupt:  # outside a step (synchronize, eval): nothing changed yet
+            raise
         except BaseException as e:  # every rank must hear of it before the gather
             failure = failure or e
         self._shard.agree(failure, "the host work")
@@ -525,7 +609,18 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Finish all host work and apply it to the params now (changes the schedule once:
         the deferred columns skip their staleness; deterministic)."""
         self._check_open()
-        self._drain()
+        self._check_healthy()
+        self._drain_or_fail()
+
+    def _drain_or_fail(self) -> None:
+        """:meth:`_drain` outside a step: a failure there leaves the optimizer failed."""
+        try:
+            self._drain()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            self._fail(e)
+            raise
 
     def train(self) -> "ZenFlowOptimizer":
         self._training = True
@@ -535,7 +630,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Apply pending host results so evaluation sees fully updated weights."""
         self._training = False
         if not self._closed:
-            self._drain()
+            self._check_healthy()
+            self._drain_or_fail()
         return self
 
     @property
@@ -590,7 +686,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 out["host_pinned_bytes"] += storage.nbytes()
 
         for st in self.state.values():
-            for key, value in st.items():
+            for key, value in (st.items() if isinstance(st, dict) else ()):
                 if isinstance(value, torch.Tensor):
                     add(state_side(key, self.config.accumulate_on), value)
         for _, on_device in self._host_idx_dev.values():
@@ -666,27 +762,68 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         load_sharded(self, checkpoint_id, **dcp_kwargs)
 
     def _state_dict(self, gather: bool) -> dict[str, Any]:
+        """torch's state_dict (its pre and post hooks in its order) plus the ``zenflow``
+        entry; host work in flight finished first. No telemetry: identical runs give
+        identical state dicts (``stats()`` has the counters and timings)."""
         if getattr(self, "_detached", False):
             self._check_open()  # explains what a copy lacks
+        self._check_healthy()
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         if not self._closed:
-            self._pipeline.wait_all()
-        sd = super().state_dict()
-        sd["state"] = {i: dict(st) for i, st in sd["state"].items()}
+            try:
+                self._pipeline.wait_all()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                self._fail(e)
+                raise
+        sd = pack(self.param_groups, self.state)
         if gather and self._shard.sharded:  # the full form: every rank's rows of each host half
             self._gather_host_halves(sd["state"])
         sd[_SD_KEY] = {"version": _SD_VERSION, "global_step": self._global_step,
-                       "config": self.config.to_dict(), "backend": self._backend,
-                       "counters": self._all_counters(),
-                       "bytes_device_to_host": self.link.bytes_d2h,
-                       "bytes_host_to_device": self.link.bytes_h2d}
+                       "config": self.config.to_dict(), "backend": self._backend}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
+
+    def to_adamw_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it (same
+        params and groups): per param one step count, and the moments of both halves, rescaled
+        to it so their bias-corrected values are unchanged, in the param's shape. Applies
+        pending host results to the params first (as :meth:`synchronize`). Refused while a
+        window is open (its accumulated gradient has no place in AdamW's state): call it
+        after a step that ends a window. Under data parallelism: collective."""
+        open_windows = [self._param_name(p) for g in self.param_groups for p in g["params"]
+                        if isinstance(self.state.get(p), dict)
+                        and self.state[p].get("acc_count", 0) > 0]
+        if open_windows:
+            raise ValueError("to_adamw_state_dict: a window is open (accumulated gradients "
+                             f"not yet on the host) for {', '.join(open_windows[:3])}; call "
+                             "it after a step that ends a window")
+        self.synchronize()
+        sd = self._state_dict(gather=True)
+        params = [p for g in self.param_groups for p in g["params"]]
+        betas = {i: g["betas"] for g in sd["param_groups"] for i in g["params"]}
+        defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
+        groups = []
+        for g in sd["param_groups"]:
+            packed = {**{k: v for k, v in defaults.items() if k not in g}, **g}
+            groups.append(packed)
+        state = {i: to_adamw(params[i], st, *betas[i]) for i, st in sd["state"].items()
+                 if isinstance(i, int) and isinstance(st, dict) and "kind" in st}
+        return {"state": state, "param_groups": groups}
 
     def _gather_host_halves(self, state: dict) -> None:
         """In ``state`` (a state_dict's, keyed by param index), replace each host half that
         holds this rank's rows by all the rows, gathered from every rank (one all-gather per
         dtype; every rank gets the full form, which loads into any world size)."""
         params = [p for g in self.param_groups for p in g["params"]]
-        items = [(i, key) for i, st in sorted(state.items()) if st.get("kind") == MATRIX
+        items = [(i, key) for i, st in sorted((i, st) for i, st in state.items()
+                                              if isinstance(i, int) and isinstance(st, dict))
+                 if st.get("kind") == MATRIX
                  for key in ROW_SHARDED if isinstance(st.get(key), torch.Tensor)]
         full = self._shard.gather_rows([state[i][key].to(self._shard.device) for i, key in items],
                                        [view2d(params[i]).shape[0] for i, _ in items])
@@ -715,10 +852,19 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                           UserWarning, stacklevel=3)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``; device state goes to each param's device, host state to
-        (pinned) host memory, index tensors stay int64, whatever device or dtype a framework
-        moved them to."""
+        """Restore a ``state_dict()``, or a ``torch.optim.AdamW`` one for the same params and
+        groups (switching from AdamW mid-training: its moments become the host half and the
+        next step selects the device's columns with theirs; the schedule starts afresh).
+        Runs torch's load hooks in torch's order. Every saved tensor is checked against its
+        param before anything changes. Device state goes to each param's device, host state
+        to (pinned) host memory, index tensors stay int64, whatever device or dtype a
+        framework moved them to. Loading a good state clears a failure."""
         self._check_open()
+        state_dict = dict(state_dict)  # shallow, as torch does
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         if "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("not an optimizer state_dict: missing 'state' or 'param_groups'")
         saved_groups = state_dict["param_groups"]
@@ -729,56 +875,76 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             if len(g["params"]) != len(sg["params"]):
                 raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
                                  f"params, this optimizer has {len(g['params'])}")
-        self._pipeline.wait_all()
-        # What the finished job left for its apply belongs to the state being replaced.
-        self._pipeline.forget()
+        adamw = is_adamw(state_dict)
+        for gi, sg in enumerate(saved_groups):
+            check_group_flags(sg, f"state_dict param group {gi}")
+            _check_hyper(sg["lr"], sg["betas"], sg["eps"], sg["weight_decay"],
+                         where=f"state_dict param group {gi}")
         meta = state_dict.get(_SD_KEY, {})
         if meta.get("version", _SD_VERSION) > _SD_VERSION:
             raise ValueError(f"state_dict format version {meta['version']} is newer than this "
                              f"zenflow-triton supports ({_SD_VERSION})")
-        self._warn_config_change(meta.get("config"))
         id_map = {}
         for g, sg in zip(self.param_groups, saved_groups):
             id_map.update(zip(sg["params"], g["params"]))
-            for key, value in sg.items():
-                if key not in ("params", "param_names"):
-                    g[key] = tuple(value) if key == "betas" else value
-        self.state.clear()
+        # Everything is checked and built before anything of this optimizer changes.
+        new_state: dict[Any, Any] = {}
         for key, saved in state_dict["state"].items():
             if key not in id_map:
-                raise ValueError(f"state_dict has state for param index {key}, which no group "
-                                 "holds")
+                new_state[key] = saved  # not a param's: kept as it is (as torch does)
+                continue
             p = id_map[key]
-            self.state[p] = self._restore_param_state(p, saved)
-        self._global_step = int(meta.get("global_step", 0))
-        counters = dict(meta.get("counters", {}))
-        self._pipeline.wait_seconds = float(counters.pop("host_wait_seconds", 0.0))
-        self._pipeline.busy_seconds = float(counters.pop("host_busy_seconds", 0.0))
-        self._counters.update(counters)
-        self.link.bytes_d2h = int(meta.get("bytes_device_to_host", 0))
-        self.link.bytes_h2d = int(meta.get("bytes_host_to_device", 0))
+            kind = classify(p, self.config)
+            label = self._param_name(p)
+            if adamw:
+                saved = from_adamw(p, saved, kind, self._shard.rows(view2d(p).shape[0]),
+                                   label)
+            rows = view2d(p).shape[0] if kind == MATRIX else 0
+            r0, r1 = self._shard.rows(rows)
+            check_param_state(label, p, saved, kind, r1 - r0)
+            new_state[p] = self._restore_param_state(p, saved)
+        if not adamw:
+            self._warn_config_change(meta.get("config"))
+        self._finish_replaced_work()
+        for g, sg in zip(self.param_groups, saved_groups):
+            for key, value in sg.items():
+                if key == "params" or (adamw and (key in UNSUPPORTED_FLAGS
+                                                  or key == "decoupled_weight_decay")):
+                    continue
+                g[key] = tuple(value) if key == "betas" else value
+        self.state.clear()
+        self.state.update(new_state)
+        self._host_idx_dev.clear()
+        self._global_step = 0 if adamw else int(meta.get("global_step", 0))
+        self._failure, self._deferred_failure = None, None
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _finish_replaced_work(self) -> None:
+        """Before a load replaces the state: wait for host work in flight (its failure, if
+        any, belongs to the state being replaced), then drop what it left for its apply."""
+        try:
+            self._pipeline.wait_all()
+        except (HostWorkerError, ShardError):
+            pass  # the failed work's state is being replaced
+        self._pipeline.forget()
 
     def _own_rows(self, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a saved host half or accumulator: all rows (a full form) are
-        sliced; exactly this rank's rows are taken as they are."""
+        """This rank's rows of a saved host half or accumulator (checked to be all rows, a
+        full form, which is sliced, or exactly this rank's rows)."""
         total = view2d(p).shape[0]
         r0, r1 = self._shard.rows(total)
-        if value.shape[0] == total:
-            return value[r0:r1]
-        if value.shape[0] != r1 - r0:
-            raise ValueError(f"state {key!r} of {self._param_name(p)} has {value.shape[0]} "
-                             f"rows; expected all {total} (a full state_dict) or this "
-                             f"rank's {r1 - r0}")
-        return value
+        return value[r0:r1] if value.shape[0] == total else value
 
     def _restore_param_state(self, p: torch.Tensor, saved: dict) -> dict:
-        kind = saved.get("kind")
-        if kind not in (MATRIX, SMALL):
-            raise ValueError(f"state for {self._param_name(p)} has unknown kind {kind!r}")
+        kind = saved["kind"]
         st: dict[str, Any] = {}
         for key, value in saved.items():
-            if key == "acc" and saved.get("acc_count", 0) == 0:
+            if key == "acc" and int(saved.get("acc_count", 0)) == 0:
                 continue  # no open window: no accumulator to hold (made when one opens)
+            if key in ("step", "device_step", "host_step", "acc_count") \
+                    and isinstance(value, torch.Tensor):
+                value = int(value.item())
             if not isinstance(value, torch.Tensor):
                 st[key] = value
                 continue
@@ -790,22 +956,34 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                      else self.config.accumulator_torch_dtype if key == "acc"
                      else torch.float32)
             if state_side(key, self.config.accumulate_on) == "host":
-                st[key] = to_host_memory(value, dtype)  # straight to host memory
+                st[key] = to_host_memory(value.detach(), dtype)  # straight to host memory
             else:
-                st[key] = value.to(device=p.device, dtype=dtype, copy=True)
+                st[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
         if kind == MATRIX:
             st["host_idx"] = st["host_idx"].cpu()
             if st.get("acc_count", 0) == 0:
                 st["acc"] = None
-            elif st.get("acc") is None:
-                raise ValueError(f"state for {self._param_name(p)} has an open window "
-                                 f"(acc_count={st['acc_count']}) but no accumulator")
         return st
 
 
 def _mean(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
+
+
+def _hold_sigint(held: list[BaseException]):
+    """Until the returned function is called, Ctrl-C appends a KeyboardInterrupt to ``held``
+    instead of raising it wherever the main thread is. Only where Python's own handler is in
+    place and on the main thread; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return lambda: None
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(KeyboardInterrupt()))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        return lambda: None
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _stop_threads(worker: HostWorker, host_adamw: HostAdamW) -> None:
@@ -816,8 +994,8 @@ def _stop_threads(worker: HostWorker, host_adamw: HostAdamW) -> None:
 
 
 def _check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
-    if isinstance(lr, torch.Tensor):
-        raise TypeError(f"{where}: lr must be a Python float, got a Tensor")
+    if isinstance(lr, torch.Tensor):  # torch's AdamW without fused/capturable says the same
+        raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
     if not 0.0 <= lr:
         raise ValueError(f"{where}: lr must be >= 0, got {lr}")
     if not 0.0 <= eps:
@@ -828,4 +1006,5 @@ def _check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
         raise ValueError(f"{where}: weight_decay must be >= 0, got {weight_decay}")
 
 
-__all__ = ["ZenFlowOptimizer", "NonFiniteGradientError", "HostWorkerError"]
+__all__ = ["ZenFlowOptimizer", "NonFiniteGradientError", "HostWorkerError",
+           "OptimizerFailedError"]

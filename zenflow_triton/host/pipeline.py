@@ -102,6 +102,10 @@ class HostPipeline:
         self._stored: list[Hashable] = []
         self.wait_seconds = 0.0
         self.busy_seconds = 0.0
+        self.shield: list[BaseException] | None = None
+        """While the optimizer is inside the changing part of a step: the waits here hold a
+        KeyboardInterrupt back (appended to this list) and go on waiting, so the step
+        finishes; the optimizer raises it afterwards."""
         self.multipliers: dict[Hashable, float] = {}
         """The adaptive host lr multiplier of each window of the last adaptive job."""
 
@@ -151,7 +155,8 @@ class HostPipeline:
         if copy_in.host_side:  # CPU sources: the job's thread copies them
             t0 = time.perf_counter()
             try:
-                self._worker.wait_event(copied_in, "the copy-in of the host job in flight")
+                self._held(lambda: self._worker.wait_event(
+                    copied_in, "the copy-in of the host job in flight"))
             finally:
                 self.wait_seconds += time.perf_counter() - t0
         self._copy_in = None
@@ -312,6 +317,15 @@ class HostPipeline:
             buf = self._staging[key] = host_empty(shape, dtype)
         return buf
 
+    def _held(self, wait):
+        while True:
+            try:
+                return wait()
+            except KeyboardInterrupt as e:
+                if self.shield is None:
+                    raise
+                self.shield.append(e)
+
     def wait(self) -> None:
         """Wait for the job in flight (bounded); its error raises here."""
         job = self._inflight
@@ -319,7 +333,7 @@ class HostPipeline:
             return
         t0 = time.perf_counter()
         try:
-            self._worker.wait(job)
+            self._held(lambda: self._worker.wait(job))
         finally:
             self.wait_seconds += time.perf_counter() - t0
             if job.done.is_set():

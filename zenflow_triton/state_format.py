@@ -1,0 +1,220 @@
+"""The state-dict format: packing, checks on load, and the conversions from and to
+``torch.optim.AdamW``'s state. Knows the per-param state layout (``partition``), not the
+optimizer class.
+
+A ZenFlow state dict is torch's ``{"state": {index: ...}, "param_groups": [...]}`` plus a
+``"zenflow"`` entry (format version, global step, config). Per matrix param the state holds
+the two halves of ``partition`` (column indices in the param's memory order, see
+``partition.view2d``); per small param AdamW's own ``exp_avg``/``exp_avg_sq``/``step``.
+Every tensor of a saved param state is checked against the param before anything is
+changed: a state that does not fit would otherwise make a kernel read or write out of
+bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .partition import MATRIX, SMALL, moment_scales, shape2d, view2d
+from .shard import ROW_SHARDED
+
+SD_KEY = "zenflow"
+SD_VERSION = 1
+
+# torch.optim.AdamW group keys this optimizer does not implement, with the value that means
+# "off" (None for the implementation choices foreach/fused).
+UNSUPPORTED_FLAGS = {"maximize": False, "amsgrad": False, "capturable": False,
+                     "differentiable": False, "foreach": None, "fused": None}
+
+
+def check_group_flags(group: dict, where: str) -> None:
+    """ValueError naming the first AdamW option of ``group`` that is set but not supported
+    (``maximize=True`` would otherwise be ignored silently)."""
+    for key in UNSUPPORTED_FLAGS:
+        if group.get(key):
+            raise ValueError(f"{where}: {key}={group[key]!r} is not supported by "
+                             "ZenFlowOptimizer (AdamW without it only)")
+
+
+def pack(param_groups: list[dict], state: dict) -> dict[str, Any]:
+    """torch's state-dict layout: params replaced by their order index, in the groups and as
+    the state's keys; any other state key and value kept as it is. Param states are copied
+    one level deep (the caller may add to them)."""
+    index: dict[int, int] = {}
+    groups = []
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            index.setdefault(id(p), len(index))
+        packed["params"] = [index[id(p)] for p in group["params"]]
+        groups.append(packed)
+    out = {}
+    for key, value in state.items():
+        if isinstance(key, torch.Tensor):
+            out[index[id(key)]] = dict(value) if isinstance(value, dict) else value
+        else:
+            out[key] = value
+    return {"state": out, "param_groups": groups}
+
+
+def is_adamw(sd: dict) -> bool:
+    """Whether ``sd`` is a ``torch.optim.AdamW`` (or Adam) state dict, not one of ours."""
+    if SD_KEY in sd:
+        return False
+    entries = [v for v in sd.get("state", {}).values() if isinstance(v, dict)]
+    return bool(entries) and all("kind" not in v and "exp_avg" in v for v in entries) or (
+        not entries and any("amsgrad" in g for g in sd.get("param_groups", [])))
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def _tensor(name: str, value: Any, shape: tuple, rows_ok: tuple[int, ...] = ()) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {value.dtype}")
+    got = tuple(value.shape)
+    if rows_ok and len(got) == len(shape) and got[0] in rows_ok and got[1:] == shape[1:]:
+        return
+    if got != tuple(shape):
+        want = (f"[{' or '.join(map(str, rows_ok))}, {shape[1]}]" if rows_ok
+                else str(list(shape)))
+        raise ValueError(f"{name} has shape {list(got)}, expected {want}")
+
+
+def _indices(name: str, value: Any, cols: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D tensor of column indices")
+    if value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got {value.dtype}")
+    idx = value.detach().cpu()
+    if idx.is_floating_point():  # torch's default load casts every state tensor
+        if not bool(torch.all(idx == idx.round())):
+            raise ValueError(f"{name} holds non-integer values")
+    idx = idx.long()
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= cols):
+        raise ValueError(f"{name} holds column indices outside [0, {cols})")
+    if idx.numel() > 1 and not bool(torch.all(idx[1:] > idx[:-1])):
+        raise ValueError(f"{name} must be sorted and without repeats")
+    return idx
+
+
+def check_param_state(label: str, p: torch.Tensor, saved: Any, kind: str,
+                      own_rows: int) -> None:
+    """ValueError unless ``saved`` is a state of ``kind`` that fits ``p``: every tensor's
+    shape and dtype, every column index in range, the halves complementary. ``own_rows``:
+    the rows this rank keeps of a host half (all of them in a single process); a host half
+    may hold all rows (the full form) or exactly those."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"state for {label} must be a dict, got {type(saved).__name__}")
+    got = saved.get("kind")
+    if got not in (MATRIX, SMALL):
+        raise ValueError(f"state for {label} has unknown kind {got!r}")
+    if got != kind:
+        raise ValueError(f"state for {label} is of kind {got!r}, but this optimizer treats "
+                         f"the param as {kind!r} (different shape or min_offload_numel?)")
+    where = f"state for {label}"
+    if kind == SMALL:
+        _as_int(f"{where}: step", saved.get("step"))
+        for key in ("exp_avg", "exp_avg_sq"):
+            _tensor(f"{where}: {key}", saved.get(key), tuple(p.shape))
+        has_master = saved.get("master") is not None
+        if has_master != (p.dtype != torch.float32):
+            raise ValueError(f"{where}: a {p.dtype} param "
+                             f"{'needs' if p.dtype != torch.float32 else 'has no'} fp32 master")
+        if has_master:
+            _tensor(f"{where}: master", saved["master"], tuple(p.shape))
+        return
+    rows, cols = shape2d(p)
+    dev = _indices(f"{where}: device_idx", saved.get("device_idx"), cols)
+    host = _indices(f"{where}: host_idx", saved.get("host_idx"), cols)
+    if dev.numel() + host.numel() != cols or (
+            dev.numel() and host.numel() and bool(torch.isin(dev, host).any())):
+        raise ValueError(f"{where}: device_idx and host_idx must split the {cols} columns")
+    k, n = dev.numel(), host.numel()
+    for key in ("device_m", "device_v"):
+        _tensor(f"{where}: {key}", saved.get(key), (rows, k))
+    has_master = saved.get("device_master") is not None
+    if has_master != (p.dtype != torch.float32):
+        raise ValueError(f"{where}: a {p.dtype} param "
+                         f"{'needs' if p.dtype != torch.float32 else 'has no'} device_master")
+    if has_master:
+        _tensor(f"{where}: device_master", saved["device_master"], (rows, k))
+    row_options = tuple(dict.fromkeys((rows, own_rows)))
+    for key in ("host_master", "host_m", "host_v"):
+        _tensor(f"{where}: {key}", saved.get(key), (rows, n), row_options)
+    for key in ("device_step", "host_step", "acc_count"):
+        _as_int(f"{where}: {key}", saved.get(key))
+    if _as_int(f"{where}: acc_count", saved["acc_count"]) > 0:
+        _tensor(f"{where}: acc", saved.get("acc"), (rows, n), row_options)
+
+
+def from_adamw(p: torch.Tensor, entry: dict, kind: str, rows: tuple[int, int],
+               label: str) -> dict:
+    """One param's ``torch.optim.AdamW`` state as a ZenFlow one: a small param keeps it; a
+    matrix param's columns all start host-owned with AdamW's moments and step count (the
+    next step selects and moves the device's columns with them, unchanged)."""
+    if not isinstance(entry, dict) or not {"exp_avg", "exp_avg_sq"} <= entry.keys():
+        raise ValueError(f"AdamW state for {label} lacks exp_avg/exp_avg_sq")
+    if entry.get("max_exp_avg_sq") is not None:
+        raise ValueError(f"AdamW state for {label} has max_exp_avg_sq (amsgrad=True), which "
+                         "ZenFlowOptimizer does not implement")
+    step = _as_int(f"AdamW state for {label}: step", entry.get("step", 0))
+    for key in ("exp_avg", "exp_avg_sq"):
+        _tensor(f"AdamW state for {label}: {key}", entry[key], tuple(p.shape))
+    m, v = entry["exp_avg"].detach().float(), entry["exp_avg_sq"].detach().float()
+    if kind == SMALL:
+        out = {"kind": SMALL, "step": step, "exp_avg": m, "exp_avg_sq": v}
+        if p.dtype != torch.float32:
+            out["master"] = p.detach().float()
+        return out
+    r0, r1 = rows
+    n_rows, cols = shape2d(p)
+    empty = torch.zeros(n_rows, 0)
+    out = {"kind": MATRIX, "selected": False, "device_idx": torch.zeros(0, dtype=torch.long),
+           "device_m": empty, "device_v": empty, "device_step": 0,
+           "host_idx": torch.arange(cols, dtype=torch.long),
+           "host_master": view2d(p.detach()).float()[r0:r1],
+           "host_m": view2d(m, like=p)[r0:r1], "host_v": view2d(v, like=p)[r0:r1],
+           "host_step": step, "acc": None, "acc_count": 0, "host_pending": False}
+    if p.dtype != torch.float32:
+        out["device_master"] = empty
+    return out
+
+
+def to_adamw(p: torch.Tensor, st: dict, beta1: float, beta2: float) -> dict:
+    """One param's ZenFlow state (host halves with all rows) as ``torch.optim.AdamW``'s: one
+    step count, the moments of both halves rescaled to it so their bias-corrected values are
+    unchanged, in the param's shape and layout."""
+    if st["kind"] == SMALL:
+        return {"step": torch.tensor(float(st["step"])),
+                "exp_avg": st["exp_avg"].detach().float().cpu().clone(),
+                "exp_avg_sq": st["exp_avg_sq"].detach().float().cpu().clone()}
+    step = max(st["device_step"], st["host_step"])
+    out = {}
+    for key, dev_key, host_key, which in (("exp_avg", "device_m", "host_m", 0),
+                                         ("exp_avg_sq", "device_v", "host_v", 1)):
+        full = torch.empty_like(p, dtype=torch.float32, device="cpu")
+        f2d = view2d(full)
+        for idx_key, key_half, s in (("device_idx", dev_key, st["device_step"]),
+                                     ("host_idx", host_key, st["host_step"])):
+            idx = st[idx_key].cpu().long()
+            if idx.numel():
+                scale = moment_scales(beta1, beta2, s, step)[which]
+                f2d[:, idx] = st[key_half].detach().float().cpu() * scale
+        out[key] = full
+    return {"step": torch.tensor(float(step)), **out}
+
+
+__all__ = ["SD_KEY", "SD_VERSION", "UNSUPPORTED_FLAGS", "check_group_flags", "pack", "is_adamw",
+           "check_param_state", "from_adamw", "to_adamw", "ROW_SHARDED"]
