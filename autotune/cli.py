@@ -187,6 +187,34 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _check_device_exists(dev: "torch.device") -> None:
+    import torch
+
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {str(dev)!r}: this torch ({torch.__version__}) sees "
+                             "no CUDA device on this machine; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {str(dev)!r}: only {torch.cuda.device_count()} CUDA "
+                             "device(s) here")
+
+
+def code_key() -> str:
+    """8 hex digits that change with anything that changes a study's numbers: the source of
+    zenflow_triton and autotune, the torch version and torch's thread count."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}".encode())
+    root = Path(__file__).resolve().parents[1]
+    for pkg in ("zenflow_triton", "autotune"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:8]
+
+
 def _slug(s: str) -> str:
     return re.sub(r"[^a-z0-9._-]+", "-", s.lower()).strip("-.")[:60] or "study"
 
@@ -229,9 +257,10 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     mode = QUICK if args.quick else FULL
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        torch.device(device)
+        dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise UsageError(f"--device {device!r}: {e}")
+    _check_device_exists(dev)  # before any work: not after the AdamW reference
     given = {k: getattr(args, k) for k in ("steps", "skip_steps", "lr", "seed", "loss_margin")
              if getattr(args, k) is not None}
     explicit = set(given) | ({"workload"} if args.workload else set()) | (
@@ -255,8 +284,9 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not 0 < args.prune_ratio < 1:
         raise UsageError(f"--prune-ratio must be in (0, 1), got {args.prune_ratio}")
     hw = detect()
-    study_name = args.study or f"{hardware_slug(hw)}-{_slug(wl_name)}" + (
-        "-quick" if args.quick else "")
+    base_name = f"{hardware_slug(hw)}-{_slug(wl_name)}" + ("-quick" if args.quick else "")
+    # A default study is keyed by what changes its numbers: this code, torch, the threads.
+    study_name = args.study or f"{base_name}-{code_key()}"
     profile_name = None
     if not args.no_profile:
         profile_name = args.profile or _slug(study_name)
@@ -273,6 +303,13 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     deadline = time.monotonic() + timeout if timeout else None
     storage_url = args.storage or S.default_storage_url()
     print(f"study {study_name!r} in {S.redact_url(storage_url)}")
+    if not args.study:
+        older = S.other_studies(storage_url, base_name, study_name)
+        if older:
+            print(f"not resumed: {len(older)} older stud{'y' if len(older) == 1 else 'ies'} of "
+                  f"this workload made by other code, torch or thread count ("
+                  f"{', '.join(older[:3])}{', ...' if len(older) > 3 else ''}); kept in the "
+                  "storage, resume one with --study NAME")
     print(f"workload {wl_name!r} on {device}; target {n_trials} finished trials"
           + (f", at most {timeout:.0f}s" if timeout else ""))
 

@@ -183,6 +183,16 @@ def fail_stale(study: optuna.Study) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
+def other_studies(storage_url: str | None, prefix: str, current: str) -> list[str]:
+    """Names of the studies in the storage that start with ``prefix`` but are not ``current``
+    (the same workload, keyed by other code); [] when the storage cannot be read."""
+    try:
+        names = optuna.study.get_all_study_names(storage=make_storage(storage_url))
+    except Exception:
+        return []
+    return sorted(n for n in names if n.startswith(prefix + "-") and n != current)
+
+
 def open_study(name: str, storage: optuna.storages.BaseStorage, *, create: bool = True,
                sampler: optuna.samplers.BaseSampler | None = None,
                pruner: optuna.pruners.BasePruner | None = None) -> optuna.Study:
@@ -242,9 +252,36 @@ def run_study(*, study_name: str, factory: Callable[..., Any], ts: TuneSettings,
               on_start: Callable[[int, int], None] | None = None) -> RunOutcome:
     """Create or resume ``study_name`` and run it until it holds ``n_trials`` finished
     trials (or ``timeout`` seconds of trials pass, or ``deadline`` (``time.monotonic()``)
-    is reached: no trial starts after it); save the best feasible trial as a profile."""
+    is reached: no trial starts after it); save the best feasible trial as a profile. A
+    study this call created is deleted again when the call fails before any trial finished:
+    a failed run leaves no empty study behind."""
     storage = make_storage(storage_url, heartbeat_interval=heartbeat_interval,
                            grace_period=grace_period)
+    existed = study_name in optuna.study.get_all_study_names(storage=storage)
+    try:
+        return _run_study(storage, study_name=study_name, factory=factory, ts=ts, space=space,
+                          n_trials=n_trials, storage_url=storage_url, timeout=timeout,
+                          deadline=deadline, explicit=explicit, profile_name=profile_name,
+                          profile_dir=profile_dir, prune_ratio=prune_ratio,
+                          report_every=report_every, sampler_seed=sampler_seed,
+                          max_consecutive_failures=max_consecutive_failures, log=log,
+                          progress=progress, on_start=on_start)
+    except BaseException:
+        if not existed:
+            try:
+                done = [t for t in optuna.load_study(study_name=study_name, storage=storage)
+                        .get_trials(deepcopy=False) if t.state.is_finished()
+                        and t.state != TrialState.FAIL]
+                if not done:
+                    optuna.delete_study(study_name=study_name, storage=storage)
+            except Exception:  # never hide the original error
+                pass
+        raise
+
+
+def _run_study(storage, *, study_name, factory, ts, space, n_trials, storage_url, timeout,
+               deadline, explicit, profile_name, profile_dir, prune_ratio, report_every,
+               sampler_seed, max_consecutive_failures, log, progress, on_start) -> RunOutcome:
     # A sampler seeded by the number of trials already there: a resumed study does not
     # replay the random start-up suggestions it already tried.
     probe = open_study(study_name, storage)

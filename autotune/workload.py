@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import itertools
+import json
 import math
 import os
 import sys
@@ -247,18 +248,43 @@ def _pretrain_tiny_lm(d: int, n_layers: int, n_heads: int, seq_len: int) -> dict
     return model.state_dict()
 
 
+def built_with() -> dict:
+    """What a cached pretrain was built with: torch, its threads, the CPU, the date."""
+    import platform
+    import time
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f
+                        if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
+            "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
 def pretrained_tiny_lm_state(*, d: int = 128, n_layers: int = 2, n_heads: int = 4,
                              seq_len: int = 64,
-                             on_miss: Callable[[], None] | None = None) -> dict:
+                             on_miss: Callable[[], None] | None = None,
+                             on_hit: Callable[[str], None] | None = None) -> dict:
     """The pretrained tiny LM's weights: loaded from the cache, else trained (about 40 s on
     2 CPU cores) and cached; ``on_miss()`` is called before training. A cache file that
     cannot be read is replaced, with a warning."""
+    # Keyed by what changes its bits besides the recipe: torch's version and thread count
+    # (the CPU's vector paths change them too: the sidecar JSON says which CPU built it).
     name = (f"tinylm-pretrained-v{_PRETRAIN_VERSION}-d{d}-l{n_layers}-h{n_heads}-t{seq_len}"
-            f"-s{PRETRAIN_STEPS}.pt")
+            f"-s{PRETRAIN_STEPS}-torch{torch.__version__.replace('+', '_')}"
+            f"-thr{torch.get_num_threads()}.pt")
     path = cache_dir() / name
     if path.exists():
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if on_hit is not None:
+                meta = path.with_suffix(".json")
+                on_hit(f"the pretrained tiny LM cached in {path}"
+                       + (f", built with {meta.read_text().strip()}" if meta.exists() else ""))
+            return state
         except Exception as e:  # corrupt or truncated: retrain below
             warnings.warn(f"ignoring unreadable cached pretrained model {path}: {e}",
                           stacklevel=2)
@@ -270,6 +296,7 @@ def pretrained_tiny_lm_state(*, d: int = 128, n_layers: int = 2, n_heads: int = 
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+        path.with_suffix(".json").write_text(json.dumps(built_with(), indent=1) + "\n")
     except OSError as e:
         warnings.warn(f"could not cache the pretrained tiny LM at {path}: {e}", stacklevel=2)
     return state
@@ -280,7 +307,8 @@ def prepare(name: str, log: Callable[[str], None] = print) -> None:
     default workload, pretrain (or load) the tiny LM. Raises WorkloadError if it cannot."""
     if name == DEFAULT_WORKLOAD:
         pretrained_tiny_lm_state(on_miss=lambda: log(
-            f"pretraining the tiny LM once (about a minute; cached in {cache_dir()})"))
+            f"pretraining the tiny LM once (about a minute; cached in {cache_dir()})"),
+            on_hit=lambda what: log(f"using {' '.join(what.split())}"))
 
 
 def tiny_lm_finetune(seed: int = 0, device: torch.device | str = "cpu", *, d: int = 128,

@@ -201,8 +201,12 @@ def test_default_workload_is_the_cached_fine_tuning_job(tmp_path, monkeypatch):
     assert W.load_workload_factory("tinylm") == (W.SCRATCH_WORKLOAD, W.tiny_lm)
     kw = dict(d=32, n_layers=1, n_heads=2, seq_len=16, batch_size=4, heldout_batches=1)
     a = W.tiny_lm_finetune(seed=0, **kw)
-    files = list((tmp_path / "cache").iterdir())
-    assert len(files) == 1 and files[0].suffix == ".pt"
+    files = sorted((tmp_path / "cache").glob("*.pt"))
+    assert len(files) == 1
+    # the cache says what built it (torch, threads, CPU), and its name has torch and threads
+    meta = json.loads(files[0].with_suffix(".json").read_text())
+    assert meta["torch"] == torch.__version__ and meta["threads"] == torch.get_num_threads()
+    assert f"thr{torch.get_num_threads()}" in files[0].name
     scratch = W.tiny_lm(seed=0, **kw)
     # fine-tuning starts from the pretrained weights, on the data of the scratch workload
     assert not torch.equal(a.model.head.weight, scratch.model.head.weight)
@@ -515,3 +519,44 @@ def test_sqlite_storage_serialises_taking_an_enqueued_trial(tmp_path):
     assert result == [True]
     other = S.make_storage(f"sqlite:///{db}")  # the second process
     assert other.set_trial_state_values(tid, TrialState.RUNNING) is False
+
+
+# ---- what a study and a cache are keyed by; failures leave nothing behind ----------------
+def test_cli_missing_cuda_fails_before_any_work(dirs, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from autotune import workload as W
+    monkeypatch.setattr(W, "prepare",
+                        lambda *a, **k: pytest.fail("work started before the device check"))
+    assert cli.main(["run", "--quick", "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert "--device 'cuda'" in err and "no CUDA device" in err
+
+
+def test_default_study_names_change_with_torch_threads(monkeypatch):
+    a = cli.code_key()
+    assert a == cli.code_key() and len(a) == 8
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert cli.code_key() != a
+
+
+def test_older_studies_are_listed_not_resumed(dirs):
+    url = f"sqlite:///{dirs / 'keys.db'}"
+    storage = S.make_storage(url)
+    for name in ("cpu-tinylm-ft-quick-aaaaaaaa", "cpu-tinylm-ft-quick-bbbbbbbb", "other-x"):
+        optuna.create_study(study_name=name, storage=storage)
+    assert S.other_studies(url, "cpu-tinylm-ft-quick", "cpu-tinylm-ft-quick-bbbbbbbb") == \
+        ["cpu-tinylm-ft-quick-aaaaaaaa"]
+
+
+def test_a_failed_run_leaves_no_empty_study(dirs):
+    url = f"sqlite:///{dirs / 'fail.db'}"
+
+    def broken(seed: int = 0, device: str = "cpu"):
+        raise RuntimeError("workload cannot be built")
+
+    ts = TuneSettings(workload="broken", steps=8, skip_steps=2, lr=3e-3, loss_margin=1.0)
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        S.run_study(study_name="doomed", factory=broken, ts=ts,
+                    space=SearchSpace(max_host_threads=1), n_trials=2, storage_url=url,
+                    log=lambda m: None)
+    assert "doomed" not in optuna.study.get_all_study_names(storage=S.make_storage(url))
