@@ -8,11 +8,24 @@ Library API (the CLI is a thin layer over it)::
     out.profile_path   # the saved profile; ZenFlowOptimizer.from_profile("mine", ...)
 """
 
-from .objective import Objective, TuneSettings, measure_reference, train_and_measure
-from .space import SearchSpace
-from .study import (SlowTrialPruner, StudyMismatchError, data_dir, default_storage_url,
-                    feasible_trials, format_table, make_storage, profile_from_study, run_study)
-from .workload import Workload, WorkloadError, load_workload_factory, tiny_lm
+import importlib
+
+# Lazy (PEP 562): ``zenflow-tune`` imports ``autotune.cli`` first, which says how to install
+# Optuna when it is missing, instead of failing here on the package import.
+_WHERE = {"Objective": "objective", "TuneSettings": "objective",
+          "measure_reference": "objective", "train_and_measure": "objective",
+          "SearchSpace": "space", "SlowTrialPruner": "study", "StudyMismatchError": "study",
+          "data_dir": "study", "default_storage_url": "study", "feasible_trials": "study",
+          "format_table": "study", "make_storage": "study", "profile_from_study": "study",
+          "run_study": "study", "Workload": "workload", "WorkloadError": "workload",
+          "load_workload_factory": "workload", "tiny_lm": "workload"}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Objective", "TuneSettings", "measure_reference", "train_and_measure", "SearchSpace",
            "SlowTrialPruner", "StudyMismatchError", "data_dir", "default_storage_url",

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .objective import DEFAULT_LOSS_MARGIN, DEFAULT_LR
+from .defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
 
 EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -642,6 +642,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted; rerun the same command to continue the study\n")
         return EXIT_INTERRUPTED
+    except ModuleNotFoundError as e:
+        if e.name != "optuna":
+            raise
+        sys.stderr.write(f"zenflow-tune {args.command}: error: the tuner needs Optuna, which "
+                         "the optimizer alone does not: pip install 'zenflow-triton[tune]'\n")
+        return EXIT_USAGE
     except Exception as e:  # runtime failure: a message, not a traceback
         if os.environ.get("ZENFLOW_TUNE_TRACEBACK"):
             raise

@@ -30,10 +30,8 @@ from .workload import Workload, build_workload, heldout_loss
 __all__ = ["TuneSettings", "TrainResult", "train_and_measure", "measure_reference",
            "quality_limit", "guard_summary", "Objective", "DIVERGED_VIOLATION", "DEFAULT_LOSS_MARGIN"]
 
-DEFAULT_LR = 3e-4
-"""A fine-tuning learning rate: a tenth of the embedded workload's pretraining peak (3e-3)."""
-DEFAULT_LOSS_MARGIN = 0.02
-"""Feasible = held-out loss within 2% of AdamW's (see docs/tuning.md for why 2%)."""
+from .defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR  # noqa: E402  (re-exported)
+
 MAX_LOSS_MARGIN = 1.0
 
 DIVERGED_VIOLATION = 1e9

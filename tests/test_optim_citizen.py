@@ -442,3 +442,25 @@ def test_generic_optimizer_behaviour():
     assert same(again.state_dict(), opt.state_dict())
     opt.close()
     again.close()
+
+
+def test_the_optimizer_needs_no_optuna_and_the_tuner_says_how_to_get_it():
+    import subprocess
+    import sys
+    code = """
+import sys
+sys.modules["optuna"] = None  # as if not installed
+import torch
+from zenflow_triton import ZenFlowOptimizer
+m = torch.nn.Linear(128, 64)
+opt = ZenFlowOptimizer.from_profile("a100-pcie4", m.parameters(), lr=1e-3)
+m(torch.randn(2, 128)).sum().backward()
+opt.step()
+opt.close()
+from autotune import cli
+sys.exit(cli.main(["run", "--quick"]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "zenflow-triton[tune]" in out.stderr
