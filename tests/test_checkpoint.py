@@ -215,3 +215,27 @@ def test_save_sharded_in_one_process_round_trips(tmp_path):
 
     for x, y in zip(run(True), run(False)):
         assert torch.equal(x, y)
+
+
+def test_a_state_dict_saved_by_an_earlier_version_loads():
+    """tests/data/state_dict_fc55536.pt was saved by the code of commit fc55536 (before the
+    state-dict module, the checks on load and telemetry leaving the state dict) mid-window,
+    with a host result pending: it loads, and the 6 steps after it reproduce that code's
+    run (to fp32 rounding: the file was written on another CPU)."""
+    from pathlib import Path
+
+    from .helpers import assert_trajectories_close, batches, params_of, train
+
+    saved = torch.load(Path(__file__).parent / "data" / "state_dict_fc55536.pt",
+                       weights_only=True)
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = ZenFlowOptimizer(param_groups(model), topk_ratio=0.2, update_interval=4,
+                           select_interval=8, min_offload_numel=64)
+    opt.load_state_dict(saved["opt"])
+    assert opt.stats()["steps"] == 14
+    assert any(st.get("host_pending") for st in opt.state.values())
+    train(model, opt, batches(20)[14:20])
+    opt.synchronize()
+    opt.close()
+    assert_trajectories_close(params_of(model), saved["after"], 20, 3e-3 * 2)
