@@ -7,7 +7,7 @@ pinned where CUDA exists), each divided by the number of param elements. The fir
 v on the device), counted the same way. The bf16 params and gradients themselves (4 B) are
 the framework's and are not counted in any row.
 
-    python bench/memory_table.py            # the README's table ("Memory")
+    python bench/memory_table.py            # the table of docs/memory.md
 """
 
 from __future__ import annotations

@@ -343,7 +343,7 @@ def test_a_failing_rank_fails_every_rank_without_hanging(tmp_path, scenario):
 
 
 def test_the_ddp_example_runs_under_torchrun():
-    """examples/train_ddp.py, as the README shows it, with 2 gloo ranks (torchrun
+    """examples/train_ddp.py, as docs/distributed.md shows it, with 2 gloo ranks (torchrun
     --standalone): it trains, prints every rank's host memory and checks that every rank
     holds the same params (exit status 1 if not)."""
     import subprocess

@@ -138,7 +138,7 @@ def test_load_state_dict_allocates_only_the_device_owned_state():
 
 
 def test_memory_table_script_runs():
-    """bench/memory_table.py (the README's table) runs and orders its rows as the modes say
+    """bench/memory_table.py (the table of docs/memory.md) runs and orders its rows as the modes say
     (on a small model, where the workers' fixed scratch dominates the host side: the device
     side only): a bf16 accumulator shrinks the device side, host accumulation more."""
     import importlib.util

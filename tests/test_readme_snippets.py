@@ -1,9 +1,12 @@
-"""The README's framework snippets ("Using zenflow-triton with ..."), run as they are.
+"""The documentation's code snippets, run as they are.
 
-Each ``<!-- snippet: NAME -->`` block is taken from README.md, run in a fresh Python process
-(frameworks keep global state), followed by the checks below: the run resumed from a
-mid-window checkpoint through the framework's own mechanism ends bit for bit where the
-uninterrupted run does, and evaluation saw the applied host results.
+Each ``<!-- snippet: NAME -->`` block is taken from README.md or a page under docs/ (the
+framework recipes live in docs/frameworks.md), run in a fresh Python process (frameworks
+keep global state), followed by the checks below. Framework snippets: the run resumed from
+a mid-window checkpoint through the framework's own mechanism ends bit for bit where the
+uninterrupted run does, and evaluation saw the applied host results. The README's usage
+example, which leaves ``model`` and ``loader`` to the reader, runs after a prelude that
+defines them.
 """
 
 from __future__ import annotations
@@ -39,24 +42,86 @@ for a, b in zip(plain_module.parameters(), resumed_module.parameters()):
 assert plain.callback_metrics["val_loss"] == resumed.callback_metrics["val_loss"]
 """,
 }
+FRAMEWORKS = sorted(CHECKS)  # hf-trainer, accelerate, lightning
+
+
+# Names a snippet leaves to the reader, defined before it runs.
+PRELUDES = {
+    "usage": """
+import types
+
+import torch
+
+torch.manual_seed(0)
+
+
+class Model(torch.nn.Module):  # `model(**batch).loss`, as a transformers model gives
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Tanh(),
+                                       torch.nn.Linear(64, 128))
+
+    def forward(self, x, y):
+        return types.SimpleNamespace(loss=torch.nn.functional.mse_loss(self.net(x), y))
+
+
+model = Model()
+loader = [dict(x=x, y=torch.tanh(x)) for x in torch.randn(16, 8, 128)]
+""",
+}
+
+CHECKS["usage"] = """
+import math
+profile_opt = ZenFlowOptimizer.from_profile("a100-pcie4", model.parameters(), lr=2e-5)
+assert profile_opt.config.topk_ratio > 0 and profile_opt.config.update_interval >= 1
+profile_opt.close()
+st = opt.stats()
+assert st["steps"] == len(loader) and st["host_updates"] > 0 and not st["host_inflight"], st
+assert all(torch.isfinite(p).all() for p in model.parameters())
+assert math.isfinite(loss.item())
+"""
+
+# The pages snippets may live on: the README and every page under docs/.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def snippets() -> dict[str, str]:
-    text = (ROOT / "README.md").read_text()
-    found = dict(re.findall(r"<!-- snippet: ([\w-]+) -->\s*```python\n(.*?)```", text, re.S))
+    found: dict[str, str] = {}
+    for page in PAGES:
+        text = page.read_text()
+        for name, code in re.findall(r"<!-- snippet: ([\w-]+) -->\s*```python\n(.*?)```",
+                                     text, re.S):
+            assert name not in found, f"snippet {name!r} appears twice ({page.name})"
+            found[name] = code
     return found
 
 
-def test_every_snippet_has_its_checks():
-    assert set(snippets()) == set(CHECKS)
-
-
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_readme_snippet_runs_and_resumes_bit_for_bit(name, tmp_path):
-    code = snippets()[name] + "\n# ---- checks (tests/test_readme_snippets.py)\n" + CHECKS[name]
+def run_snippet(name: str, tmp_path: Path) -> None:
+    code = (PRELUDES.get(name, "") + "\n# ---- the snippet\n" + snippets()[name]
+            + "\n# ---- checks (tests/test_readme_snippets.py)\n" + CHECKS[name])
     script = tmp_path / f"snippet_{name.replace('-', '_')}.py"  # not a package name
     script.write_text(code)
     env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+def test_every_snippet_has_its_checks():
+    assert set(snippets()) == set(CHECKS)
+
+
+def test_the_framework_snippets_are_on_the_frameworks_page():
+    text = (ROOT / "docs" / "frameworks.md").read_text()
+    for name in FRAMEWORKS:
+        assert f"<!-- snippet: {name} -->" in text, name
+
+
+@pytest.mark.parametrize("name", FRAMEWORKS)
+def test_readme_snippet_runs_and_resumes_bit_for_bit(name, tmp_path):
+    run_snippet(name, tmp_path)
+
+
+def test_readme_usage_example_runs(tmp_path):
+    assert "<!-- snippet: usage -->" in (ROOT / "README.md").read_text()
+    run_snippet("usage", tmp_path)
