@@ -219,6 +219,21 @@ class ZenFlowConfig:
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
+    """ValueError naming ``where`` for an AdamW hyperparameter out of range (a Tensor lr
+    included: torch's AdamW without fused/capturable refuses it too)."""
+    if isinstance(lr, torch.Tensor):
+        raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
+    if not 0.0 <= lr:
+        raise ValueError(f"{where}: lr must be >= 0, got {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"{where}: eps must be >= 0, got {eps}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"{where}: weight_decay must be >= 0, got {weight_decay}")
+
+
 def _check_number(name: str, value: Any, kind: type, *, lo: float | None = None,
                   hi: float | None = None, lo_open: bool = False, rng: str) -> None:
     ok_type = isinstance(value, (int, float)) if kind is float else isinstance(value, int)

@@ -26,10 +26,6 @@ there; this module only decides when to launch a window, when to wait, and when 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import json
-import signal
-import threading
 import warnings
 import weakref
 from typing import Any, Callable, Iterable
@@ -37,30 +33,20 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from .config import ZenFlowConfig
+from .config import ZenFlowConfig, check_hyper
+from .faults import OptimizerFailedError, StepGuard
 from .host import HostAdamW, HostHyper, HostPipeline, HostWorker, HostWorkerError, Window
-from .kernels import (KernelOps, confirm_nonfinite, get_ops, nonfinite_flags,
-                      triton_available)
-from .partition import (MATRIX, SMALL, Move, classify, init_matrix_state, migrate_many,
-                        new_accumulator, num_selected, select_columns, splittable, state_side,
-                        view2d)
-from .shard import ROW_SHARDED, RowShard, ShardError
-from .state_format import (SD_KEY, SD_VERSION, UNSUPPORTED_FLAGS, check_group_flags,
-                           check_param_state, from_adamw, is_adamw, pack, to_adamw)
-from .transfer import Link, to_host_memory
-
-_SD_KEY = SD_KEY
-_SD_VERSION = SD_VERSION
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A gradient holds NaN or inf; raised by step() before any state changes."""
-
-
-class OptimizerFailedError(RuntimeError):
-    """An earlier step or host job failed, so the state may be partly updated: every later
-    step(), state_dict() and synchronize() raises this (the original error is its
-    ``__cause__``) until load_state_dict() of a good checkpoint."""
+from .inputs import NonFiniteGradientError, Work, check_finite, check_params, collect
+from .device_half import DeviceHalf
+from .kernels import KernelOps, get_ops, triton_available
+from .memory import device_owned_fraction, memory_bytes
+from .partition import (MATRIX, Move, classify, init_matrix_state, init_small_state,
+                        migrate_many, num_selected, select_columns, view2d)
+from .shard import RowShard, ShardError
+from .state_format import (SD_KEY, SD_VERSION, adamw_state_dict, check_group_flags,
+                           config_change, gather_host_halves, pack, read,
+                           restore_param_state)
+from .transfer import Link
 
 
 _OPEN: "weakref.WeakSet[ZenFlowOptimizer]" = weakref.WeakSet()
@@ -104,31 +90,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
             raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; "
                             f"ZenFlowConfig fields are {ZenFlowConfig.field_names()}")
         self.config = config if config is not None else ZenFlowConfig(**config_fields)
-        _check_hyper(lr, betas, eps, weight_decay, where="defaults")
+        check_hyper(lr, betas, eps, weight_decay, where="defaults")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        for gi, group in enumerate(self.param_groups):
-            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                         where=f"param group {gi}")
-            for p in group["params"]:
-                if p.is_complex():
-                    raise TypeError(f"{self._param_name(p)} is complex; ZenFlowOptimizer "
-                                    "supports real floating-point params only")
-                if not p.is_floating_point():
-                    raise TypeError(f"{self._param_name(p)} has dtype {p.dtype}; "
-                                    "only floating-point params can be optimized")
-                if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ \
-                        == "DTensor":
-                    raise TypeError(
-                        f"{self._param_name(p)} is a DTensor (FSDP2's fully_shard or tensor "
-                        "parallelism); ZenFlowOptimizer supports replicated params (DDP) "
-                        "only: it shards the host work across ranks itself")
-                if classify(p, self.config) == MATRIX and not splittable(p):
-                    raise ValueError(
-                        f"{self._param_name(p)} has strides {p.stride()}, in which its rows "
-                        "(dim 0) are not the outermost dim of a dense layout; column-split "
-                        "params need one (contiguous, channels_last, or any 2-D layout); "
-                        "raise min_offload_numel to keep it whole on the device")
+        self._check_hyper()
+        check_params(self.param_groups, self.config, self._param_name)
         self._backend = self._resolve_backend()
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
@@ -140,11 +106,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # The host half's buffers, jobs and waits (staging, outboxes, the job in flight).
         self._pipeline = HostPipeline(self.link, self._host_adamw, self._worker,
                                       self.config.host_timeout)
-        self._host_idx_dev: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._empty_halves: dict[tuple, tuple] = {}
-        self._deferred_failure: BaseException | None = None  # data parallelism: see step()
-        self._failure: BaseException | None = None  # see OptimizerFailedError
-        self._failed_at = 0
+        self._dev = DeviceHalf(self.ops, self.link, self._shard, self.config)
+        self._guard = StepGuard(self._pipeline)  # the failed state; all-or-nothing steps
         self._closed = False
         self._training = True
         self._global_step = 0
@@ -195,6 +158,10 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
     def backend(self) -> str:
         return self._backend
 
+    def _params(self) -> list[torch.Tensor]:
+        """Every param, in state-dict index order."""
+        return [p for g in self.param_groups for p in g["params"]]
+
     def _param_name(self, p: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
             for pi, q in enumerate(group["params"]):
@@ -215,15 +182,13 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         ``stats()["steps"]`` says whether the interrupted step counts). Anything else that
         raises mid-step leaves the optimizer failed (:class:`OptimizerFailedError`)."""
         self._check_open()
-        self._check_healthy()
+        self._guard.check()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = self._collect_grads()  # validates every gradient before any state changes
-        for gi, group in enumerate(self.param_groups):  # a scheduler may have written them
-            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                         where=f"param group {gi}")
+        self._check_hyper()  # a scheduler may have written them
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
                                   "(load a checkpoint into a new optimizer)")
@@ -233,8 +198,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         reselect = not warmup and (u - 1) % cfg.effective_select_interval == 0
         boundary = warmup or u % cfg.update_interval == 0
         drains_first = reselect or (boundary and cfg.overlap and not warmup)
-        self._wait_before_step(drains_first)
-        with self._whole_step():
+        self._guard.before(lambda: self._wait_before_step(drains_first), self._shard.sharded,
+                           self._global_step)
+        with self._guard.whole_step(lambda: self._global_step):
             self._global_step += 1
             if reselect:
                 self._reselect(work)
@@ -262,82 +228,28 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """The waits of a step that come before any change: a failed host accumulation, the
         copy-in of the accumulators on loan, and, where the step starts by applying the
         window in flight, that job. An interrupt here leaves the optimizer before the step."""
-        try:
-            self._pipeline.check()  # a failed host accumulation raises before any change
-            self._pipeline.wait_copy_in()
-            if drains_first:
-                self._pipeline.wait()
-        except (KeyboardInterrupt, NonFiniteGradientError):
-            raise
-        except BaseException as e:
-            if not self._shard.sharded:
-                self._fail(e)
-                raise
-            # Data parallelism: every rank must hear of it, at the next apply point (where
-            # the ranks agree); until then this rank goes on with the others.
-            self._deferred_failure = self._deferred_failure or e
+        self._pipeline.check()  # a failed host accumulation raises before any change
+        self._pipeline.wait_copy_in()
+        if drains_first:
+            self._pipeline.wait()
 
-    @contextlib.contextmanager
-    def _whole_step(self):
-        """The changing part of a step: runs to its end. A KeyboardInterrupt (Ctrl-C, or one
-        raised inside a wait for host work) is held back and raised after it; any other
-        exception leaves the optimizer failed."""
-        held: list[BaseException] = []
-        restore = _hold_sigint(held)
-        self._pipeline.shield = held
-        try:
-            yield
-        except BaseException as e:
-            self._fail(e)
-            raise
-        finally:
-            self._pipeline.shield = None
-            restore()
-        if held:
-            raise held[0]
+    def _check_hyper(self) -> None:
+        for gi, g in enumerate(self.param_groups):
+            check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                        where=f"param group {gi}")
 
-    def _fail(self, error: BaseException) -> None:
-        if self._failure is None:
-            self._failure, self._failed_at = error, self._global_step
-
-    def _check_healthy(self) -> None:
-        if self._failure is not None:
-            raise OptimizerFailedError(
-                f"this ZenFlowOptimizer failed at step {self._failed_at} "
-                f"({type(self._failure).__name__}: {self._failure}); its state may be partly "
-                "updated, so it refuses to go on or to save: load_state_dict() a good "
-                "checkpoint to continue") from self._failure
-
-    def _collect_grads(self) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
-        work = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is None or not p.requires_grad:
-                    continue
-                if g.is_sparse or g.layout != torch.strided:
-                    raise TypeError(f"{self._param_name(p)} has a sparse gradient; "
-                                    "ZenFlowOptimizer supports dense gradients only")
-                if g.is_complex():
-                    raise TypeError(f"{self._param_name(p)} has a complex gradient; "
-                                    "ZenFlowOptimizer supports real gradients only")
-                if g.shape != p.shape:
-                    raise ValueError(f"{self._param_name(p)}: gradient shape "
-                                     f"{tuple(g.shape)} does not match the param")
-                work.append((group, p, g))
-        checked = [(p, g) for _, p, g in work if g.numel()]  # an empty grad is finite
-        if self.config.check_finite and checked:
-            bad = [self._param_name(p) for (p, _), flag in zip(checked, self._nonfinite(checked))
-                   if flag]
-            if bad:
-                raise NonFiniteGradientError(
-                    f"non-finite gradient (NaN or inf) in {', '.join(bad)}; no optimizer state "
-                    "was changed by this step (skip it, e.g. with torch.amp.GradScaler, or "
-                    "construct with check_finite=False to let it propagate as AdamW does)")
+    def _collect_grads(self) -> Work:
+        """The step's gradients, checked (``grads``), with every param's state made or put
+        back where it belongs."""
+        work = collect(self.param_groups, self._param_name)
+        if self.config.check_finite:
+            check_finite(work, self._param_name)
         for _, p, _ in work:
             st = self.state[p]
             if not st:
-                self._init_state(p)
+                self.state[p] = (init_matrix_state(p, self.link, self.config.host_moment_dtype,
+                                                   self._shard.rows(p.shape[0]))
+                                 if classify(p, self.config) == MATRIX else init_small_state(p))
             elif self._misplaced(p, st):
                 self._rehome(p, st)
         return work
@@ -358,35 +270,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 "while host work was in flight (a framework moved optimizer.state between "
                 "steps); the moved copies may miss that work. Move state only after "
                 "state_dict()/load_state_dict(), which wait for it")
-        self.state[p] = self._restore_param_state(p, st)
-        self._host_idx_dev.pop(p, None)
-
-    @staticmethod
-    def _nonfinite(checked) -> list[bool]:
-        """Per gradient, whether it holds a NaN or an inf: one multi-tensor reduction and one
-        host read per device (the step's only sync on an ordinary step); a flagged gradient
-        is confirmed exactly before it is reported (kernels.finite)."""
-        flags = [False] * len(checked)
-        by_device: dict[torch.device, list[int]] = {}
-        for i, (_, g) in enumerate(checked):
-            by_device.setdefault(g.device, []).append(i)
-        for idx in by_device.values():
-            read = nonfinite_flags([checked[i][1] for i in idx]).tolist()
-            for i, flag in zip(idx, read):  # a flag may be an overflow of a finite grad
-                flags[i] = flag and confirm_nonfinite(checked[i][1])
-        return flags
-
-    def _init_state(self, p: torch.Tensor) -> None:
-        if classify(p, self.config) == MATRIX:
-            self.state[p] = init_matrix_state(p, self.link, self.config.host_moment_dtype,
-                                              self._shard.rows(p.shape[0]))
-            return
-        st = {"kind": SMALL, "step": 0,
-              "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-              "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-        if p.dtype != torch.float32:
-            st["master"] = p.detach().float().clone()
-        self.state[p] = st
+        rows = self._shard.rows(view2d(p).shape[0]) if st["kind"] == MATRIX else (0, 0)
+        self.state[p] = restore_param_state(p, st, self.config, rows)
+        self._dev.index_cache.pop(p, None)
 
     # ------------------------------------------------------------------ selection
     def _reselect(self, work) -> None:
@@ -418,105 +304,20 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 moves.append(Move(p, self.state[p], flat[off:off + n], beta1, beta2))
                 off += n
         self._counters["columns_migrated"] += migrate_many(
-            moves, ops=self.ops, link=self.link, host_idx_on_device=self._host_idx_dev,
+            moves, ops=self.ops, link=self.link, host_idx_on_device=self._dev.index_cache,
             shard=self._shard)
 
     # ------------------------------------------------------------------ device half
-    def _device_half(self, work, single_step_window: bool) -> dict:
+    def _device_half(self, work: Work, single_step_window: bool) -> dict:
         """Every step: AdamW on the device-owned columns and on the small params, and the
-        gradient of the host-owned columns into the window accumulator; one multi-tensor op
-        per param group for each (launches grow with groups and dtypes, not params).
-
-        ``single_step_window``: this step is a whole window (warm-up, update_interval=1); a
-        param whose window starts here hands its gradient to the host as it is, at launch,
-        with no pass through the accumulator: returned, ``{param: its host columns}``, for
-        this step's launch."""
+        gradient of the host-owned columns into the window accumulator (``DeviceHalf``).
+        Returns the host columns of params whose one-step window hands its gradient to the
+        host as it is (``single_step_window``: warm-up, update_interval=1)."""
         self._pipeline.wait_copy_in()  # the accumulators are on loan to the job until copied
-        direct: dict[torch.Tensor, torch.Tensor] = {}
-        acc_on_device = self.config.accumulate_on == "device"
-        to_host: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host acc, device columns)
-        by_group: dict[int, tuple[dict, list, list]] = {}
-        for group, p, g in work:
-            small, matrices = by_group.setdefault(id(group), (group, [], []))[1:]
-            st = self.state[p]
-            if st["kind"] == SMALL:
-                st["step"] += 1
-                small.append((p, g, st))
-                continue
-            has_dev = st["device_idx"].numel() > 0
-            if has_dev:
-                st["device_step"] += 1
-            p2d, g2d = view2d(p.detach()), view2d(g, like=p)
-            acc = host_idx = None
-            if st["host_idx"].numel():
-                host_idx = self._host_idx_on_device(p, st)
-                if single_step_window and st["acc_count"] == 0:
-                    direct[p] = self._host_columns(g2d, host_idx)
-                else:
-                    if st["acc"] is None:  # the first window that accumulates makes it
-                        # (this rank's rows only, under data parallelism)
-                        rows = st["host_master"].shape[0]
-                        st["acc"] = new_accumulator(rows, host_idx.numel(),
-                                                    p.device, self.config.accumulate_on,
-                                                    self.config.accumulator_torch_dtype)
-                    if acc_on_device:
-                        acc = st["acc"]
-                    else:  # this rank's rows cross the link every step, in the grad's dtype
-                        r0, r1 = self._shard.rows(g2d.shape[0])
-                        to_host.append((st["acc"], self._host_columns(g2d[r0:r1], host_idx)))
-                st["acc_count"] += 1
-            sliced = acc is not None and acc.shape[0] != p2d.shape[0]  # this rank's rows
-            if has_dev or (acc is not None and not sliced):
-                matrices.append((p2d, g2d, st["device_idx"], st["device_m"], st["device_v"],
-                                 st.get("device_master"), st["device_step"],
-                                 None if sliced else acc, None if sliced else host_idx))
-            if sliced:  # the accumulation of this rank's rows: an entry with no device columns
-                r0, r1 = self._shard.rows(p2d.shape[0])
-                none = self._no_columns(p, r1 - r0)
-                matrices.append((p2d[r0:r1], g2d[r0:r1], *none, 1, acc, host_idx))
-        for group, small, matrices in by_group.values():
-            beta1, beta2 = group["betas"]
-            hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"])
-            if small:
-                self.ops.adamw([p.detach() for p, _, _ in small], [g for _, g, _ in small],
-                               [st["exp_avg"] for _, _, st in small],
-                               [st["exp_avg_sq"] for _, _, st in small],
-                               [st.get("master") for _, _, st in small],
-                               [st["step"] for _, _, st in small], **hyper)
-            if matrices:
-                self.ops.selective_adamw_accumulate(*map(list, zip(*matrices)), **hyper)
+        direct, to_host = self._dev.run(work, self.state, single_step_window)
         if to_host:  # the host worker adds them; this thread only queues the copies
             self._pipeline.accumulate(to_host, f"step {self._global_step}")
         return direct
-
-    def _no_columns(self, p: torch.Tensor, rows: int) -> tuple:
-        """(index, m, v, master) of no device-owned columns for ``rows`` rows of ``p``: the
-        device half of an accumulation-only entry of the multi-tensor op (made once)."""
-        key = (p.device, p.dtype, rows)
-        made = self._empty_halves.get(key)
-        if made is None:
-            m = torch.zeros(rows, 0, device=p.device)
-            made = self._empty_halves[key] = (
-                torch.zeros(0, dtype=torch.long, device=p.device), m, m,
-                m if p.dtype != torch.float32 else None)
-        return made
-
-    def _host_idx_on_device(self, p: torch.Tensor, st: dict) -> torch.Tensor:
-        """``st["host_idx"]`` (kept in host memory) on ``p``'s device, copied once per
-        selection (with its migration) instead of every step; here only after a load, by a
-        non-blocking copy."""
-        cached = self._host_idx_dev.get(p)
-        if cached is None or cached[0] is not st["host_idx"]:
-            on_device = self.link.indices_to_device(st["host_idx"].numpy(), p.device)
-            cached = self._host_idx_dev[p] = (st["host_idx"], on_device)
-        return cached[1]
-
-    def _host_columns(self, g2d: torch.Tensor, host_idx: torch.Tensor) -> torch.Tensor:
-        """g2d[:, host_idx], without a gather when every column is host-owned."""
-        if host_idx.numel() == g2d.shape[1]:
-            return g2d
-        return self.ops.gather_columns(g2d, host_idx)
 
     # ------------------------------------------------------------------ host half
     def _launch_host(self, direct: dict, apply_now: bool, warmup: bool = False) -> None:
@@ -570,7 +371,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Wait for host work in flight, then write every pending host result into its param.
         Under data parallelism every rank does this at the same step: the ranks agree that
         their jobs succeeded, then gather each other's rows of the results."""
-        failure, self._deferred_failure = self._deferred_failure, None
+        failure, self._guard.deferred = self._guard.deferred, None
         try:
             self._pipeline.wait()
         except KeyboardInterrupt:  # outside a step (synchronize, eval): nothing changed yet
@@ -601,7 +402,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         # This rank's rows of each result -> all rows, on every rank (as is, unsharded).
         srcs = self._shard.gather_rows(srcs, [view2d(p).shape[0] for p, _ in pending])
         self.ops.scatter_columns_multi([view2d(p.detach()) for p, _ in pending],
-                                       [self._host_idx_on_device(p, st) for p, st in pending],
+                                       [self._dev.host_idx(p, st) for p, st in pending],
                                        srcs)
 
     # ------------------------------------------------------------------ public helpers
@@ -609,18 +410,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Finish all host work and apply it to the params now (changes the schedule once:
         the deferred columns skip their staleness; deterministic)."""
         self._check_open()
-        self._check_healthy()
-        self._drain_or_fail()
-
-    def _drain_or_fail(self) -> None:
-        """:meth:`_drain` outside a step: a failure there leaves the optimizer failed."""
-        try:
-            self._drain()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:
-            self._fail(e)
-            raise
+        self._guard.check()
+        self._guard.or_fail(self._drain, self._global_step)
 
     def train(self) -> "ZenFlowOptimizer":
         self._training = True
@@ -630,8 +421,8 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Apply pending host results so evaluation sees fully updated weights."""
         self._training = False
         if not self._closed:
-            self._check_healthy()
-            self._drain_or_fail()
+            self._guard.check()
+            self._guard.or_fail(self._drain, self._global_step)
         return self
 
     @property
@@ -639,65 +430,23 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return self._training
 
     def stats(self) -> dict[str, Any]:
+        """Counters, link bytes each way, the device-owned share of elements, the bytes held
+        on each side (``memory``), host staging, and host wait/busy seconds."""
         if getattr(self, "_detached", False):
             self._check_open()
-        dev_elems = total = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                total += p.numel()
-                st = self.state.get(p)
-                if st and st["kind"] == MATRIX:
-                    dev_elems += st["device_idx"].numel() * p.shape[0]
-                elif classify(p, self.config) == SMALL:
-                    dev_elems += p.numel()
         return dict(steps=self._global_step, backend=self._backend,
                     rank=self._shard.rank, world_size=self._shard.world,
                     bytes_device_to_host=self.link.bytes_d2h,
                     bytes_host_to_device=self.link.bytes_h2d,
-                    device_owned_fraction=dev_elems / total if total else 0.0,
+                    device_owned_fraction=device_owned_fraction(self._params(), self.state,
+                                                                self.config),
                     host_staging_bytes=self._pipeline.staging_bytes(),
-                    **self._memory_bytes(),
+                    **memory_bytes(self.state, self.config,
+                                   [d for _, d in self._dev.index_cache.values()],
+                                   self._pipeline, self.link),
                     host_inflight=self._pipeline.inflight,
                     host_lr_multiplier_mean=_mean(self._pipeline.multipliers.values()),
                     **self._all_counters())
-
-    def _memory_bytes(self) -> dict[str, int]:
-        """Bytes of every tensor the optimizer holds, by side: ``device_state_bytes`` (the
-        params' side: device-owned state, a device accumulator, index copies),
-        ``host_state_bytes`` (host state, staging, outboxes, the workers' scratch, bounce
-        buffers) and, of those, ``host_pinned_bytes``: the link buffers, pinned where CUDA
-        exists. Each storage counts once, whole, on the side that holds it first (on a
-        CPU-only run an index's "device" copy is the host index itself)."""
-        seen: set[int] = set()
-        out = dict(device_state_bytes=0, host_state_bytes=0, host_pinned_bytes=0)
-
-        def add(side: str, t, link_buffer: bool = False) -> None:
-            if not isinstance(t, torch.Tensor):
-                return
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if storage.nbytes() == 0 or key in seen:
-                return
-            seen.add(key)
-            out[f"{side}_state_bytes"] += storage.nbytes()
-            if link_buffer:
-                out["host_pinned_bytes"] += storage.nbytes()
-
-        for st in self.state.values():
-            for key, value in (st.items() if isinstance(st, dict) else ()):
-                if isinstance(value, torch.Tensor):
-                    add(state_side(key, self.config.accumulate_on), value)
-        for _, on_device in self._host_idx_dev.values():
-            add("device", on_device)
-        for buf, crosses in self._pipeline.host_buffers():
-            add("host", buf, link_buffer=crosses)
-        pinned_scratch, pageable_scratch = self._pipeline.scratch_bytes()
-        fixed = pinned_scratch + self.link.bounce_bytes()
-        out["host_state_bytes"] += fixed + pageable_scratch
-        out["host_pinned_bytes"] += fixed
-        return out
 
     def _all_counters(self) -> dict[str, Any]:
         return dict(self._counters, host_wait_seconds=self._pipeline.wait_seconds,
@@ -767,22 +516,16 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         identical state dicts (``stats()`` has the counters and timings)."""
         if getattr(self, "_detached", False):
             self._check_open()  # explains what a copy lacks
-        self._check_healthy()
+        self._guard.check()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if not self._closed:
-            try:
-                self._pipeline.wait_all()
-            except KeyboardInterrupt:
-                raise
-            except BaseException as e:
-                self._fail(e)
-                raise
+            self._guard.or_fail(self._pipeline.wait_all, self._global_step)
         sd = pack(self.param_groups, self.state)
         if gather and self._shard.sharded:  # the full form: every rank's rows of each host half
-            self._gather_host_halves(sd["state"])
-        sd[_SD_KEY] = {"version": _SD_VERSION, "global_step": self._global_step,
-                       "config": self.config.to_dict(), "backend": self._backend}
+            gather_host_halves(sd["state"], self._params(), self._shard)
+        sd[SD_KEY] = {"version": SD_VERSION, "global_step": self._global_step,
+                      "config": self.config.to_dict(), "backend": self._backend}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -796,7 +539,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         pending host results to the params first (as :meth:`synchronize`). Refused while a
         window is open (its accumulated gradient has no place in AdamW's state): call it
         after a step that ends a window. Under data parallelism: collective."""
-        open_windows = [self._param_name(p) for g in self.param_groups for p in g["params"]
+        open_windows = [self._param_name(p) for p in self._params()
                         if isinstance(self.state.get(p), dict)
                         and self.state[p].get("acc_count", 0) > 0]
         if open_windows:
@@ -804,166 +547,48 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                              f"not yet on the host) for {', '.join(open_windows[:3])}; call "
                              "it after a step that ends a window")
         self.synchronize()
-        sd = self._state_dict(gather=True)
-        params = [p for g in self.param_groups for p in g["params"]]
-        betas = {i: g["betas"] for g in sd["param_groups"] for i in g["params"]}
-        defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
-        groups = []
-        for g in sd["param_groups"]:
-            packed = {**{k: v for k, v in defaults.items() if k not in g}, **g}
-            groups.append(packed)
-        state = {i: to_adamw(params[i], st, *betas[i]) for i, st in sd["state"].items()
-                 if isinstance(i, int) and isinstance(st, dict) and "kind" in st}
-        return {"state": state, "param_groups": groups}
-
-    def _gather_host_halves(self, state: dict) -> None:
-        """In ``state`` (a state_dict's, keyed by param index), replace each host half that
-        holds this rank's rows by all the rows, gathered from every rank (one all-gather per
-        dtype; every rank gets the full form, which loads into any world size)."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        items = [(i, key) for i, st in sorted((i, st) for i, st in state.items()
-                                              if isinstance(i, int) and isinstance(st, dict))
-                 if st.get("kind") == MATRIX
-                 for key in ROW_SHARDED if isinstance(st.get(key), torch.Tensor)]
-        full = self._shard.gather_rows([state[i][key].to(self._shard.device) for i, key in items],
-                                       [view2d(params[i]).shape[0] for i, _ in items])
-        for (i, key), t in zip(items, full):
-            state[i][key] = t.cpu()
-
-    # Fields that change how, not what, is computed (results are bit-identical across them).
-    _EXECUTION_ONLY = frozenset({"chunk_size", "host_threads", "host_cores", "backend",
-                                 "host_timeout", "check_finite"})
-
-    def _warn_config_change(self, saved: Any) -> None:
-        """This optimizer keeps its own config on load, as torch optimizers keep their
-        constructor's; a resumed run whose schedule or step rule differs from the saved one
-        (say, after a library default changed) is worth a warning that names the fields."""
-        if not isinstance(saved, dict):
-            return
-        mine = json.loads(json.dumps(self.config.to_dict()))
-        saved = json.loads(json.dumps(saved))
-        changed = sorted(k for k in saved.keys() & mine.keys()
-                         if k not in self._EXECUTION_ONLY and saved[k] != mine[k])
-        if changed:
-            what = ", ".join(f"{k}: {saved[k]!r} -> {mine[k]!r}" for k in changed)
-            warnings.warn(f"load_state_dict: the state was saved with a different ZenFlowConfig "
-                          f"({what}); this optimizer continues with its own. Pass the saved "
-                          "values to the constructor to continue the saved run unchanged.",
-                          UserWarning, stacklevel=3)
+        return adamw_state_dict(self._state_dict(gather=True), self._params())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict()``, or a ``torch.optim.AdamW`` one for the same params and
         groups (switching from AdamW mid-training: its moments become the host half and the
         next step selects the device's columns with theirs; the schedule starts afresh).
         Runs torch's load hooks in torch's order. Every saved tensor is checked against its
-        param before anything changes. Device state goes to each param's device, host state
-        to (pinned) host memory, index tensors stay int64, whatever device or dtype a
-        framework moved them to. Loading a good state clears a failure."""
+        param before anything changes (``state_format.read``). Device state goes to each
+        param's device, host state to host memory, index tensors stay int64, whatever device
+        or dtype a framework moved them to. Loading a good state clears a failure."""
         self._check_open()
         state_dict = dict(state_dict)  # shallow, as torch does
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        if "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("not an optimizer state_dict: missing 'state' or 'param_groups'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(saved_groups)} param groups, this "
-                             f"optimizer has {len(self.param_groups)}")
-        for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
-                                 f"params, this optimizer has {len(g['params'])}")
-        adamw = is_adamw(state_dict)
-        for gi, sg in enumerate(saved_groups):
-            check_group_flags(sg, f"state_dict param group {gi}")
-            _check_hyper(sg["lr"], sg["betas"], sg["eps"], sg["weight_decay"],
-                         where=f"state_dict param group {gi}")
-        meta = state_dict.get(_SD_KEY, {})
-        if meta.get("version", _SD_VERSION) > _SD_VERSION:
-            raise ValueError(f"state_dict format version {meta['version']} is newer than this "
-                             f"zenflow-triton supports ({_SD_VERSION})")
-        id_map = {}
-        for g, sg in zip(self.param_groups, saved_groups):
-            id_map.update(zip(sg["params"], g["params"]))
-        # Everything is checked and built before anything of this optimizer changes.
-        new_state: dict[Any, Any] = {}
-        for key, saved in state_dict["state"].items():
-            if key not in id_map:
-                new_state[key] = saved  # not a param's: kept as it is (as torch does)
-                continue
-            p = id_map[key]
-            kind = classify(p, self.config)
-            label = self._param_name(p)
-            if adamw:
-                saved = from_adamw(p, saved, kind, self._shard.rows(view2d(p).shape[0]),
-                                   label)
-            rows = view2d(p).shape[0] if kind == MATRIX else 0
-            r0, r1 = self._shard.rows(rows)
-            check_param_state(label, p, saved, kind, r1 - r0)
-            new_state[p] = self._restore_param_state(p, saved)
-        if not adamw:
-            self._warn_config_change(meta.get("config"))
-        self._finish_replaced_work()
-        for g, sg in zip(self.param_groups, saved_groups):
-            for key, value in sg.items():
-                if key == "params" or (adamw and (key in UNSUPPORTED_FLAGS
-                                                  or key == "decoupled_weight_decay")):
-                    continue
-                g[key] = tuple(value) if key == "betas" else value
-        self.state.clear()
-        self.state.update(new_state)
-        self._host_idx_dev.clear()
-        self._global_step = 0 if adamw else int(meta.get("global_step", 0))
-        self._failure, self._deferred_failure = None, None
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
-    def _finish_replaced_work(self) -> None:
-        """Before a load replaces the state: wait for host work in flight (its failure, if
-        any, belongs to the state being replaced), then drop what it left for its apply."""
-        try:
+        loaded = read(state_dict, self.param_groups, self.config, self._shard.rows,
+                      self._param_name)
+        for gi, g in enumerate(loaded.groups):
+            check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
+                        where=f"state_dict param group {gi}")
+        changed = None if loaded.adamw else config_change(loaded.meta.get("config"),
+                                                           self.config)
+        if changed:
+            warnings.warn(f"load_state_dict: the state was saved with a different ZenFlowConfig "
+                          f"({changed}); this optimizer continues with its own. Pass the saved "
+                          "values to the constructor to continue the saved run unchanged.",
+                          UserWarning, stacklevel=2)
+        try:  # the work in flight belongs to the state being replaced, failed or not
             self._pipeline.wait_all()
         except (HostWorkerError, ShardError):
-            pass  # the failed work's state is being replaced
+            pass
         self._pipeline.forget()
-
-    def _own_rows(self, p: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a saved host half or accumulator (checked to be all rows, a
-        full form, which is sliced, or exactly this rank's rows)."""
-        total = view2d(p).shape[0]
-        r0, r1 = self._shard.rows(total)
-        return value[r0:r1] if value.shape[0] == total else value
-
-    def _restore_param_state(self, p: torch.Tensor, saved: dict) -> dict:
-        kind = saved["kind"]
-        st: dict[str, Any] = {}
-        for key, value in saved.items():
-            if key == "acc" and int(saved.get("acc_count", 0)) == 0:
-                continue  # no open window: no accumulator to hold (made when one opens)
-            if key in ("step", "device_step", "host_step", "acc_count") \
-                    and isinstance(value, torch.Tensor):
-                value = int(value.item())
-            if not isinstance(value, torch.Tensor):
-                st[key] = value
-                continue
-            if kind == MATRIX and key in ROW_SHARDED:
-                value = self._own_rows(p, key, value)  # this rank's rows of a full form
-            is_idx = key.endswith("_idx")
-            dtype = (torch.long if is_idx
-                     else self.config.host_moment_dtype if key in ("host_m", "host_v")
-                     else self.config.accumulator_torch_dtype if key == "acc"
-                     else torch.float32)
-            if state_side(key, self.config.accumulate_on) == "host":
-                st[key] = to_host_memory(value.detach(), dtype)  # straight to host memory
-            else:
-                st[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
-        if kind == MATRIX:
-            st["host_idx"] = st["host_idx"].cpu()
-            if st.get("acc_count", 0) == 0:
-                st["acc"] = None
-        return st
+        for g, saved in zip(self.param_groups, loaded.groups):
+            g.update(saved)
+        self.state.clear()
+        self.state.update(loaded.state)
+        self._dev.index_cache.clear()
+        self._global_step = 0 if loaded.adamw else int(loaded.meta.get("global_step", 0))
+        self._guard.clear()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
 
 def _mean(values) -> float | None:
@@ -971,39 +596,11 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _hold_sigint(held: list[BaseException]):
-    """Until the returned function is called, Ctrl-C appends a KeyboardInterrupt to ``held``
-    instead of raising it wherever the main thread is. Only where Python's own handler is in
-    place and on the main thread; elsewhere nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    try:
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            return lambda: None
-        signal.signal(signal.SIGINT, lambda signum, frame: held.append(KeyboardInterrupt()))
-    except (ValueError, OSError):  # no signals here (an embedded interpreter)
-        return lambda: None
-    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def _stop_threads(worker: HostWorker, host_adamw: HostAdamW) -> None:
     """Stop an optimizer's host threads: the worker first (it finishes its queued job, which
     uses the pool), then the pool. Bounded by host_timeout; idempotent."""
     worker.close()
     host_adamw.close()
-
-
-def _check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
-    if isinstance(lr, torch.Tensor):  # torch's AdamW without fused/capturable says the same
-        raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
-    if not 0.0 <= lr:
-        raise ValueError(f"{where}: lr must be >= 0, got {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"{where}: eps must be >= 0, got {eps}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"{where}: weight_decay must be >= 0, got {weight_decay}")
 
 
 __all__ = ["ZenFlowOptimizer", "NonFiniteGradientError", "HostWorkerError",

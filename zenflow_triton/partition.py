@@ -127,6 +127,17 @@ def init_matrix_state(p: torch.Tensor, link: Link,
     }
 
 
+def init_small_state(p: torch.Tensor) -> dict:
+    """A small param's state: AdamW's zero moments on its device (and an fp32 master copied
+    from a low-precision param)."""
+    st = {"kind": SMALL, "step": 0,
+          "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+          "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+    if p.dtype != torch.float32:
+        st["master"] = p.detach().float().clone()
+    return st
+
+
 def new_accumulator(rows: int, n: int, device: torch.device, accumulate_on: str,
                     dtype: torch.dtype = torch.float32):
     """The window accumulator of ``n`` host-owned columns (fp32, zero): on the param's device,

@@ -13,12 +13,16 @@ bounds.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from .partition import MATRIX, SMALL, moment_scales, shape2d, view2d
+from .config import ZenFlowConfig
+from .partition import MATRIX, SMALL, classify, moment_scales, shape2d, state_side, view2d
 from .shard import ROW_SHARDED
+from .transfer import to_host_memory
 
 SD_KEY = "zenflow"
 SD_VERSION = 1
@@ -216,5 +220,139 @@ def to_adamw(p: torch.Tensor, st: dict, beta1: float, beta2: float) -> dict:
     return {"step": torch.tensor(float(step)), **out}
 
 
-__all__ = ["SD_KEY", "SD_VERSION", "UNSUPPORTED_FLAGS", "check_group_flags", "pack", "is_adamw",
-           "check_param_state", "from_adamw", "to_adamw", "ROW_SHARDED"]
+# Config fields that change how, not what, is computed (results are bit-identical across them).
+EXECUTION_ONLY = frozenset({"chunk_size", "host_threads", "host_cores", "backend",
+                            "host_timeout", "check_finite"})
+
+
+def config_change(saved: Any, mine: ZenFlowConfig) -> str | None:
+    """The fields (``"name: saved -> mine"``) in which a saved config differs from this
+    optimizer's in what is computed (its schedule or step rule), or None."""
+    if not isinstance(saved, dict):
+        return None
+    now = json.loads(json.dumps(mine.to_dict()))
+    saved = json.loads(json.dumps(saved))
+    changed = sorted(k for k in saved.keys() & now.keys()
+                     if k not in EXECUTION_ONLY and saved[k] != now[k])
+    return ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed) or None
+
+
+def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
+    """In ``state`` (a state dict's, keyed by param index), replace each host half that
+    holds this rank's rows by all the rows, gathered from every rank (one all-gather per
+    dtype; every rank gets the full form, which loads into any world size)."""
+    items = [(i, key) for i, st in sorted((i, st) for i, st in state.items()
+                                          if isinstance(i, int) and isinstance(st, dict))
+             if st.get("kind") == MATRIX
+             for key in ROW_SHARDED if isinstance(st.get(key), torch.Tensor)]
+    full = shard.gather_rows([state[i][key].to(shard.device) for i, key in items],
+                             [view2d(params[i]).shape[0] for i, _ in items])
+    for (i, key), t in zip(items, full):
+        state[i][key] = t.cpu()
+
+
+def adamw_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
+    """A full-form ZenFlow state dict (every row of every host half) as torch.optim.AdamW's:
+    each param's state by :func:`to_adamw`, each group with AdamW's defaults for the options
+    it lacks."""
+    betas = {i: g["betas"] for g in sd["param_groups"] for i in g["params"]}
+    defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
+    groups = [{**{k: v for k, v in defaults.items() if k not in g}, **g}
+              for g in sd["param_groups"]]
+    state = {i: to_adamw(params[i], st, *betas[i]) for i, st in sd["state"].items()
+             if isinstance(i, int) and isinstance(st, dict) and "kind" in st}
+    return {"state": state, "param_groups": groups}
+
+
+def restore_param_state(p: torch.Tensor, saved: dict, config: ZenFlowConfig,
+                        rows: tuple[int, int]) -> dict:
+    """A checked saved state (:func:`check_param_state`) as this optimizer holds it: device
+    tensors on the param's device, host tensors in pageable host memory, in the dtypes the
+    config says, index tensors int64, step counts ints; of a host half or accumulator with
+    all rows, this rank's ``rows``; no accumulator without an open window."""
+    kind = saved["kind"]
+    st: dict[str, Any] = {}
+    r0, r1 = rows
+    total = view2d(p).shape[0] if kind == MATRIX else 0
+    for key, value in saved.items():
+        if key == "acc" and int(saved.get("acc_count", 0)) == 0:
+            continue  # no open window: no accumulator to hold (made when one opens)
+        if key in ("step", "device_step", "host_step", "acc_count") \
+                and isinstance(value, torch.Tensor):
+            value = int(value.item())
+        if not isinstance(value, torch.Tensor):
+            st[key] = value
+            continue
+        if kind == MATRIX and key in ROW_SHARDED and value.shape[0] == total:
+            value = value[r0:r1]  # this rank's rows of a full form
+        dtype = (torch.long if key.endswith("_idx")
+                 else config.host_moment_dtype if key in ("host_m", "host_v")
+                 else config.accumulator_torch_dtype if key == "acc"
+                 else torch.float32)
+        if state_side(key, config.accumulate_on) == "host":
+            st[key] = to_host_memory(value.detach(), dtype)  # straight to host memory
+        else:
+            st[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
+    if kind == MATRIX:
+        st["host_idx"] = st["host_idx"].cpu()
+        if st.get("acc_count", 0) == 0:
+            st["acc"] = None
+    return st
+
+
+@dataclass
+class Loaded:
+    """A state dict checked and converted for this optimizer, nothing of it applied yet."""
+    adamw: bool
+    meta: dict
+    state: dict
+    groups: list[dict]
+
+
+def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
+         rows_of: Callable[[int], tuple[int, int]],
+         name_of: Callable[[torch.Tensor], str]) -> Loaded:
+    """Check ``state_dict`` (ours, or torch.optim.AdamW's) against this optimizer's groups
+    and params and build the state to hold, raising ValueError before anything is
+    applied. ``rows_of(total)``: this rank's rows of a host half of ``total`` rows."""
+    if "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("not an optimizer state_dict: missing 'state' or 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this "
+                         f"optimizer has {len(param_groups)}")
+    for gi, (g, sg) in enumerate(zip(param_groups, saved_groups)):
+        if len(g["params"]) != len(sg["params"]):
+            raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
+                             f"params, this optimizer has {len(g['params'])}")
+        check_group_flags(sg, f"state_dict param group {gi}")
+    adamw = is_adamw(state_dict)
+    meta = state_dict.get(SD_KEY, {})
+    if meta.get("version", SD_VERSION) > SD_VERSION:
+        raise ValueError(f"state_dict format version {meta['version']} is newer than this "
+                         f"zenflow-triton supports ({SD_VERSION})")
+    id_map = {}
+    for g, sg in zip(param_groups, saved_groups):
+        id_map.update(zip(sg["params"], g["params"]))
+    state: dict[Any, Any] = {}
+    for key, saved in state_dict["state"].items():
+        if key not in id_map:
+            state[key] = saved  # not a param's: kept as it is (as torch does)
+            continue
+        p = id_map[key]
+        kind = classify(p, config)
+        rows = rows_of(view2d(p).shape[0]) if kind == MATRIX else (0, 0)
+        if adamw:
+            saved = from_adamw(p, saved, kind, rows, name_of(p))
+        check_param_state(name_of(p), p, saved, kind, rows[1] - rows[0])
+        state[p] = restore_param_state(p, saved, config, rows)
+    skip = {"params"} | (set(UNSUPPORTED_FLAGS) | {"decoupled_weight_decay"} if adamw else set())
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in sg.items() if k not in skip}
+              for sg in saved_groups]
+    return Loaded(adamw, meta, state, groups)
+
+
+__all__ = ["SD_KEY", "SD_VERSION", "UNSUPPORTED_FLAGS", "EXECUTION_ONLY", "Loaded",
+           "adamw_state_dict", "check_group_flags", "check_param_state", "config_change",
+           "from_adamw", "gather_host_halves", "is_adamw", "pack", "read",
+           "restore_param_state", "to_adamw"]

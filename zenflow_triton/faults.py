@@ -1,0 +1,104 @@
+"""Faults of a step: the failed state, and steps that are all or nothing.
+
+A step first makes every wait that may fail or be interrupted without a change; from its
+first change on it runs to the end. :class:`StepGuard` holds the failure (after which every
+step, save and synchronize refuses, until a load replaces the state) and the interrupts held
+back while a step finishes (the pipeline's waits append to them instead of raising).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Callable
+
+
+class OptimizerFailedError(RuntimeError):
+    """An earlier step or host job failed, so the state may be partly updated: every later
+    step(), state_dict() and synchronize() raises this (the original error is its
+    ``__cause__``) until load_state_dict() of a good checkpoint."""
+
+
+class StepGuard:
+    def __init__(self, pipeline) -> None:
+        self._pipeline = pipeline
+        self.failure: BaseException | None = None
+        self.failed_at = 0
+        self.deferred: BaseException | None = None
+        """Data parallelism: a failure this rank keeps until the ranks agree at an apply."""
+
+    def fail(self, error: BaseException, step: int) -> None:
+        if self.failure is None:
+            self.failure, self.failed_at = error, step
+
+    def clear(self) -> None:
+        self.failure = self.deferred = None
+
+    def check(self) -> None:
+        """OptimizerFailedError, chained to the failure, once there was one."""
+        if self.failure is not None:
+            raise OptimizerFailedError(
+                f"this ZenFlowOptimizer failed at step {self.failed_at} "
+                f"({type(self.failure).__name__}: {self.failure}); its state may be partly "
+                "updated, so it refuses to go on or to save: load_state_dict() a good "
+                "checkpoint to continue") from self.failure
+
+    def or_fail(self, wait: Callable[[], Any], step: int) -> Any:
+        """``wait()`` outside a step (synchronize, eval, state_dict): anything but an
+        interrupt raising there leaves the optimizer failed."""
+        try:
+            return wait()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            self.fail(e, step)
+            raise
+
+    def before(self, waits: Callable[[], None], sharded: bool, step: int) -> None:
+        """The waits of a step before its first change: an interrupt leaves the optimizer
+        before the step; a failure fails it (under data parallelism it is kept until the
+        ranks agree at the next apply, so that every rank hears of it)."""
+        try:
+            waits()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            if not sharded:
+                self.fail(e, step)
+                raise
+            self.deferred = self.deferred or e
+
+    @contextlib.contextmanager
+    def whole_step(self, step: Callable[[], int]):
+        """The changing part of a step: runs to its end. A KeyboardInterrupt (Ctrl-C, or
+        one raised inside a wait for host work) is held back and raised after it; any other
+        exception leaves the optimizer failed."""
+        held: list[BaseException] = []
+        restore = _hold_sigint(held)
+        self._pipeline.shield = held
+        try:
+            yield
+        except BaseException as e:
+            self.fail(e, step())
+            raise
+        finally:
+            self._pipeline.shield = None
+            restore()
+        if held:
+            raise held[0]
+
+
+def _hold_sigint(held: list[BaseException]):
+    """Until the returned function is called, Ctrl-C appends a KeyboardInterrupt to ``held``
+    instead of raising it wherever the main thread is. Only where Python's own handler is in
+    place and on the main thread; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return lambda: None
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(KeyboardInterrupt()))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        return lambda: None
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)

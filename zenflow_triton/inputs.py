@@ -1,0 +1,89 @@
+"""The optimizer's inputs, checked before anything changes: the params at construction
+(real floating point, not DTensors, a layout a column split can view) and the gradients of
+each step (dense, real, of the param's shape, and optionally finite)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .config import ZenFlowConfig
+from .kernels import confirm_nonfinite, nonfinite_flags
+from .partition import MATRIX, classify, splittable
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient holds NaN or inf; raised by step() before any state changes."""
+
+
+Work = list[tuple[dict, torch.Tensor, torch.Tensor]]
+"""(group, param, grad) of every param that has a gradient this step, in group order."""
+
+
+def check_params(param_groups: list[dict], config: ZenFlowConfig,
+                 name_of: Callable[[torch.Tensor], str]) -> None:
+    """TypeError / ValueError naming the first param this optimizer cannot take."""
+    for group in param_groups:
+        for p in group["params"]:
+            if p.is_complex():
+                raise TypeError(f"{name_of(p)} is complex; ZenFlowOptimizer supports real "
+                                "floating-point params only")
+            if not p.is_floating_point():
+                raise TypeError(f"{name_of(p)} has dtype {p.dtype}; only floating-point "
+                                "params can be optimized")
+            if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ \
+                    == "DTensor":
+                raise TypeError(
+                    f"{name_of(p)} is a DTensor (FSDP2's fully_shard or tensor parallelism); "
+                    "ZenFlowOptimizer supports replicated params (DDP) only: it shards the "
+                    "host work across ranks itself")
+            if classify(p, config) == MATRIX and not splittable(p):
+                raise ValueError(
+                    f"{name_of(p)} has strides {p.stride()}, in which its rows (dim 0) are "
+                    "not the outermost dim of a dense layout; column-split params need one "
+                    "(contiguous, channels_last, or any 2-D layout); raise min_offload_numel "
+                    "to keep it whole on the device")
+
+
+def collect(param_groups: list[dict], name_of: Callable[[torch.Tensor], str]) -> Work:
+    """Every trainable param with a gradient; TypeError / ValueError naming the param for a
+    sparse or complex gradient or one of another shape."""
+    work = []
+    for group in param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None or not p.requires_grad:
+                continue
+            if g.is_sparse or g.layout != torch.strided:
+                raise TypeError(f"{name_of(p)} has a sparse gradient; "
+                                "ZenFlowOptimizer supports dense gradients only")
+            if g.is_complex():
+                raise TypeError(f"{name_of(p)} has a complex gradient; "
+                                "ZenFlowOptimizer supports real gradients only")
+            if g.shape != p.shape:
+                raise ValueError(f"{name_of(p)}: gradient shape {tuple(g.shape)} does not "
+                                 "match the param")
+            work.append((group, p, g))
+    return work
+
+
+def check_finite(work: Work, name_of: Callable[[torch.Tensor], str]) -> None:
+    """NonFiniteGradientError naming every param whose gradient holds a NaN or an inf: one
+    multi-tensor reduction and one host read per device (the step's only sync on an
+    ordinary step); a flagged gradient is confirmed exactly before it is reported (a flag
+    may be an overflow of a finite gradient, kernels.finite)."""
+    checked = [(p, g) for _, p, g in work if g.numel()]  # an empty grad is finite
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, g) in enumerate(checked):
+        by_device.setdefault(g.device, []).append(i)
+    bad = []
+    for idx in by_device.values():
+        flags = nonfinite_flags([checked[i][1] for i in idx]).tolist()
+        bad += [i for i, flag in zip(idx, flags) if flag and confirm_nonfinite(checked[i][1])]
+    if bad:
+        raise NonFiniteGradientError(
+            f"non-finite gradient (NaN or inf) in {', '.join(name_of(checked[i][0]) for i in sorted(bad))}; "
+            "no optimizer state was changed by this step (skip it, e.g. with "
+            "torch.amp.GradScaler, or construct with check_finite=False to let it propagate "
+            "as AdamW does)")

@@ -1,0 +1,66 @@
+"""Memory accounting for ``stats()``: the bytes the optimizer holds on each side of the
+link, and the share of elements the device owns. Reads the state, the pipeline's buffers and
+the link; changes nothing."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .config import ZenFlowConfig
+from .partition import MATRIX, SMALL, classify, state_side
+
+
+def device_owned_fraction(params: Iterable[torch.Tensor], state: dict,
+                          config: ZenFlowConfig) -> float:
+    """The share of trainable elements updated on the device every step."""
+    dev = total = 0
+    for p in params:
+        if not p.requires_grad:
+            continue
+        total += p.numel()
+        st = state.get(p)
+        if isinstance(st, dict) and st.get("kind") == MATRIX:
+            dev += st["device_idx"].numel() * p.shape[0]
+        elif classify(p, config) == SMALL:
+            dev += p.numel()
+    return dev / total if total else 0.0
+
+
+def memory_bytes(state: dict, config: ZenFlowConfig, device_indices: Iterable[torch.Tensor],
+                 pipeline, link) -> dict[str, int]:
+    """Bytes of every tensor the optimizer holds, by side: ``device_state_bytes`` (the
+    params' side: device-owned state, a device accumulator, index copies),
+    ``host_state_bytes`` (host state, staging, outboxes, the workers' scratch, bounce
+    buffers) and, of those, ``host_pinned_bytes``: the link buffers, pinned where CUDA
+    exists. Each storage counts once, whole, on the side that holds it first (on a
+    CPU-only run an index's "device" copy is the host index itself)."""
+    seen: set[int] = set()
+    out = dict(device_state_bytes=0, host_state_bytes=0, host_pinned_bytes=0)
+
+    def add(side: str, t, link_buffer: bool = False) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            return
+        seen.add(key)
+        out[f"{side}_state_bytes"] += storage.nbytes()
+        if link_buffer:
+            out["host_pinned_bytes"] += storage.nbytes()
+
+    for st in state.values():
+        for key, value in (st.items() if isinstance(st, dict) else ()):
+            if isinstance(value, torch.Tensor):
+                add(state_side(key, config.accumulate_on), value)
+    for on_device in device_indices:
+        add("device", on_device)
+    for buf, crosses in pipeline.host_buffers():
+        add("host", buf, link_buffer=crosses)
+    pinned_scratch, pageable_scratch = pipeline.scratch_bytes()
+    fixed = pinned_scratch + link.bounce_bytes()
+    out["host_state_bytes"] += fixed + pageable_scratch
+    out["host_pinned_bytes"] += fixed
+    return out
