@@ -1,4 +1,4 @@
-"""The step-time model (autotune/stepmodel.py) against DeepSpeed's published ZenFlow figures.
+"""The step-time model (autotune/stepmodel/) against DeepSpeed's published ZenFlow figures.
 
 Llama-2-7B fine-tuning on 4x A100 (DeepSpeed ZenFlow blog): about 0.5 s per step with
 everything on the GPUs, over 7 s with ZeRO-Offload, of which the CPU optimizer step alone

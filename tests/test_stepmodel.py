@@ -1,4 +1,4 @@
-"""The step-time model (autotune/stepmodel.py): its arithmetic on hand-computable cases, its
+"""The step-time model (autotune/stepmodel/): its arithmetic on hand-computable cases, its
 monotonicity, the ZeRO-Offload equivalence, its memory accounting against the optimizer's
 own stats(), the presets against transformers' models, the gh200 profile and the CLI."""
 

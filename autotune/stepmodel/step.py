@@ -1,0 +1,90 @@
+"""One prediction: a mode's graph scheduled on the lanes, its steady-state step time, stall,
+link bytes, host busy fraction and memory, and whether it fits in device memory; and the
+same for every mode at once."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .base import DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, StepModelError
+from .costs import _costs
+from .hardware import Hardware
+from .memory import _memory
+from .modes import _adamw, _overlapped_offload, _zenflow, _zero_offload, _zero_offload_dpu
+from .settings import _SETTING_KEYS, zenflow_config
+from .timeline import Prediction, _window
+from .workload import Workload
+
+
+def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any = None,
+            window_steps: int | None = None, prefetch_result: bool = False,
+            **settings: Any) -> Prediction:
+    """Predict one mode's steady-state window (``window_steps`` steps, default the zenflow
+    ``update_interval``). ``config`` (a ZenFlowConfig or dict) and ``settings`` (its fields,
+    e.g. ``topk_ratio=0.1, update_interval=4, overlap=True, accumulate_on="device"``) are the
+    ZenFlow settings; the other modes use only ``min_offload_numel``, ``host_state_dtype``
+    and ``host_threads`` from them (which params stay on the device, host state bytes,
+    scratch)."""
+    if mode not in MODES:
+        raise StepModelError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise StepModelError(f"gpus must be an int >= 1, got {gpus!r}")
+    cfg = zenflow_config(config, **settings)
+    K = window_steps or cfg.update_interval
+    c = _costs(hw, wl, gpus, cfg.min_offload_numel)
+    procs = hw.processes_per_host(gpus)
+    threads = cfg.host_threads or (max(1, hw.host_cores // procs) if hw.host_cores
+                                   else DEFAULT_HOST_CORES_PER_ACCELERATOR)
+    P = sum(c.matrix) / gpus
+    extra = 0.0
+    notes: list[str] = []
+    out_settings = None
+    if mode == "adamw":
+        (lanes, starts), down_b, up_b = _adamw(c, K), 0.0, 0.0
+        if gpus > 1:
+            notes.append("optimizer state sharded over the GPUs (ZeRO-1/2); its all-gather "
+                         "is not modelled")
+    elif mode == "zero-offload":
+        (lanes, starts), down_b, up_b = _zero_offload(c, K), P * c.b, P * c.b
+    elif mode == "zero-offload-dpu":
+        (lanes, starts), down_b, up_b = _zero_offload_dpu(c, K), P * c.b, P * c.b
+    elif mode == "overlapped-offload":
+        (lanes, starts), down_b, up_b = _overlapped_offload(c, K), P * c.b, P * c.b
+    else:
+        K = cfg.update_interval
+        (lanes, starts), extra, info = _zenflow(c, K, wl, cfg, prefetch_result)
+        down_b = info["link_down_per_window"] / K
+        up_b = info["link_up_per_window"] / K
+        out_settings = {k: getattr(cfg, k) for k in _SETTING_KEYS}
+        out_settings["select_interval"] = cfg.effective_select_interval
+        out_settings["prefetch_result"] = prefetch_result
+        if extra:
+            notes.append(f"a reselection every {cfg.effective_select_interval} steps drains "
+                         f"the host job: +{extra * 1e3:.3g} ms per step, amortised")
+    window, segs, busy = _window(lanes, starts)
+    busy_dev, busy_host = busy["device"], busy["host"]
+    step = window / K + extra
+    stall = (window - busy_dev + K * extra) / (K * step) if step > 0 else 0.0
+    host_busy = busy_host / (K * step) if step > 0 else 0.0
+    mem = _memory(mode, wl, c, cfg, threads)
+    dev_bytes = int(round(sum(mem["device"].values())))
+    host_bytes = int(round(sum(mem["host"].values())))
+    fits = hw.device_memory_bytes is None or dev_bytes <= hw.device_memory_bytes
+    if not fits:
+        notes.append(f"does not fit: needs {dev_bytes / 1e9:.1f} GB of device memory, the "
+                     f"device has {hw.device_memory_bytes / 1e9:.0f} GB")
+    return Prediction(
+        mode=mode, step_time_s=step if fits else None,
+        stall_fraction=max(0.0, stall) if fits else None,
+        link_bytes_per_step=down_b + up_b, link_down_bytes_per_step=down_b,
+        link_up_bytes_per_step=up_b, host_busy_fraction=host_busy if fits else None,
+        device_memory_bytes=dev_bytes, host_memory_bytes=host_bytes, fits=fits,
+        modelled_step_time_s=step, window_steps=K, window_time_s=window, timeline=segs,
+        memory=mem, settings=out_settings, notes=notes)
+
+
+def predict_all(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
+                modes: Sequence[str] = MODES, **settings: Any) -> dict[str, Prediction]:
+    """:func:`predict` for every mode, windows of the zenflow ``update_interval`` steps."""
+    cfg = zenflow_config(config, **settings)
+    return {m: predict(hw, wl, m, gpus=gpus, config=cfg) for m in modes}
