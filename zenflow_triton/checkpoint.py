@@ -1,4 +1,7 @@
-"""Sharded checkpoints of a :class:`ZenFlowOptimizer` through ``torch.distributed.checkpoint``.
+"""Sharded checkpoints of an optimizer's state through ``torch.distributed.checkpoint``.
+
+Works on a state dict, the params and the row shard (``ZenFlowOptimizer.save_sharded`` and
+``load_sharded`` hand them over); it imports nothing of the optimizer.
 
 ``opt.state_dict()`` gives the full form: under data parallelism it gathers every rank's
 rows of every host half onto every rank, which a large model may not afford. Here each rank
@@ -18,15 +21,13 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 import torch
 
 from .partition import MATRIX, state_side
-from .shard import ROW_SHARDED
+from .shard import ROW_SHARDED, RowShard
 
-if TYPE_CHECKING:
-    from .optimizer import ZenFlowOptimizer
 
 @contextlib.contextmanager
 def _single_process_is_meant():
@@ -36,30 +37,31 @@ def _single_process_is_meant():
         yield
 
 
-def _mesh(opt: "ZenFlowOptimizer"):
-    """The 1-D device mesh of the optimizer's process group (None for a single process)."""
-    if not opt._shard.sharded:
+def _mesh(shard: RowShard):
+    """The 1-D device mesh of the shard's process group (None for a single process)."""
+    if not shard.sharded:
         return None
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    group = opt._shard.group if opt._shard.group is not None else dist.group.WORLD
-    return DeviceMesh.from_group(group, opt._shard.device.type)
+    group = shard.group if shard.group is not None else dist.group.WORLD
+    return DeviceMesh.from_group(group, shard.device.type)
 
 
-def _rows_of(opt: "ZenFlowOptimizer") -> list[int]:
-    return [p.shape[0] if p.dim() else 1 for g in opt.param_groups for p in g["params"]]
+def _rows_of(params: Sequence[torch.Tensor]) -> list[int]:
+    return [p.shape[0] if p.dim() else 1 for p in params]
 
 
-def save_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> None:
-    """Write ``opt``'s state with ``torch.distributed.checkpoint.save``; collective: every
-    rank calls it. ``dcp_kwargs`` go to ``dcp.save`` (``storage_writer``, ...)."""
+def save_sharded(sd: dict, params: Sequence[torch.Tensor], shard: RowShard, checkpoint_id,
+                 **dcp_kwargs: Any) -> None:
+    """Write ``sd`` (a state dict whose host halves hold this rank's rows) with
+    ``torch.distributed.checkpoint.save``; collective: every rank calls it. ``dcp_kwargs``
+    go to ``dcp.save`` (``storage_writer``, ...)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard
 
-    sd = opt._state_dict(gather=False)
-    mesh = _mesh(opt)
-    rows = _rows_of(opt)
+    mesh = _mesh(shard)
+    rows = _rows_of(params)
     flat: dict[str, Any] = {"param_groups": json.dumps(sd["param_groups"]),
                             "zenflow": json.dumps(sd["zenflow"])}
     for i, st in sd["state"].items():
@@ -77,24 +79,23 @@ def save_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
             else:
                 flat[f"state.{i}.{key}"] = value
         flat[f"state.{i}.meta"] = json.dumps(meta)
-    dcp_kwargs.setdefault("no_dist", not opt._shard.sharded)  # a single process: no collectives
+    dcp_kwargs.setdefault("no_dist", not shard.sharded)  # a single process: no collectives
     with _single_process_is_meant():
-        dcp.save(flat, checkpoint_id=checkpoint_id, process_group=opt._shard.group,
-                 **dcp_kwargs)
+        dcp.save(flat, checkpoint_id=checkpoint_id, process_group=shard.group, **dcp_kwargs)
 
 
-def load_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> None:
-    """Read a :func:`save_sharded` checkpoint (from any world size) into ``opt``; collective.
-    Each rank reads only its rows of the host halves."""
+def read_sharded(params: Sequence[torch.Tensor], shard: RowShard, accumulate_on: str,
+                 checkpoint_id, **dcp_kwargs: Any) -> dict:
+    """Read a :func:`save_sharded` checkpoint (from any world size) as a state dict for
+    ``load_state_dict``; collective. Each rank reads only its rows of the host halves."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.tensor import DTensor, Shard
 
     reader = dcp_kwargs.pop("storage_reader", None) or dcp.FileSystemReader(checkpoint_id)
     metadata = reader.read_metadata()
-    mesh = _mesh(opt)
-    rows = _rows_of(opt)
-    params = [p for g in opt.param_groups for p in g["params"]]
+    mesh = _mesh(shard)
+    rows = _rows_of(params)
     template: dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
@@ -107,19 +108,19 @@ def load_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
                              "ZenFlowOptimizer.save_sharded checkpoint of these params)")
         i, name = int(parts[1]), parts[2]
         size, dtype = torch.Size(md.size), md.properties.dtype
-        host = state_side(name, opt.config.accumulate_on) == "host"
+        host = state_side(name, accumulate_on) == "host"
         device = torch.device("cpu") if host else params[i].device
         if mesh is not None and name in ROW_SHARDED and len(size) == 2 and size[0] == rows[i]:
-            r0, r1 = opt._shard.rows(size[0])
+            r0, r1 = shard.rows(size[0])
             local = torch.empty((r1 - r0, size[1]), dtype=dtype, device=device)
             template[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                shape=size, stride=(size[1], 1))
         else:
             template[key] = torch.empty(size, dtype=dtype, device=device)
-    dcp_kwargs.setdefault("no_dist", not opt._shard.sharded)
+    dcp_kwargs.setdefault("no_dist", not shard.sharded)
     with _single_process_is_meant():
         dcp.load(template, checkpoint_id=checkpoint_id, storage_reader=reader,
-                 process_group=opt._shard.group, **dcp_kwargs)
+                 process_group=shard.group, **dcp_kwargs)
     state: dict[int, dict] = {}
     for key, value in template.items():
         if not key.startswith("state."):
@@ -130,5 +131,5 @@ def load_sharded(opt: "ZenFlowOptimizer", checkpoint_id, **dcp_kwargs: Any) -> N
             st.update(json.loads(value))
         else:
             st[name] = value.to_local() if isinstance(value, DTensor) else value
-    opt.load_state_dict({"param_groups": json.loads(template["param_groups"]),
-                         "zenflow": json.loads(template["zenflow"]), "state": state})
+    return {"param_groups": json.loads(template["param_groups"]),
+            "zenflow": json.loads(template["zenflow"]), "state": state}

@@ -1,7 +1,11 @@
 """ZenFlowOptimizer: the per-step orchestration (docs/design.md, "The step").
 
-This module decides *when* things happen; ``kernels`` compute, ``host`` runs the host half,
-``transfer`` moves and counts bytes, ``partition`` says who owns which columns.
+This module decides *when* things happen, in the order of the algorithm: the checks
+(``inputs``), selection (``partition``), the device half (``device_half``), the host window
+(``windows``, ``host``) and the apply. ``kernels`` compute, ``host`` runs the host half,
+``transfer`` moves and counts bytes, ``state_format`` reads and writes state dicts,
+``faults`` keeps the failed state and makes steps all or nothing, ``memory`` counts bytes
+for ``stats()``, ``lifecycle`` owns the host threads' lifetime.
 
 Schedule, with t the global step (1-based) and u = t - warmup_steps:
 
@@ -25,46 +29,30 @@ there; this module only decides when to launch a window, when to wait, and when 
 
 from __future__ import annotations
 
-import atexit
 import warnings
-import weakref
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 
 from .config import ZenFlowConfig, check_hyper
 from .faults import OptimizerFailedError, StepGuard
-from .host import HostAdamW, HostHyper, HostPipeline, HostWorker, HostWorkerError, Window
+from .host import HostAdamW, HostPipeline, HostWorker, HostWorkerError
 from .inputs import NonFiniteGradientError, Work, check_finite, check_params, collect
 from .device_half import DeviceHalf
-from .kernels import KernelOps, get_ops, triton_available
+from .kernels import KernelOps, get_ops, resolve_backend
+from .lifecycle import HostThreads
 from .memory import device_owned_fraction, memory_bytes
-from .partition import (MATRIX, Move, classify, init_matrix_state, init_small_state,
-                        migrate_many, num_selected, select_columns, view2d)
+from .partition import (MATRIX, classify, init_matrix_state, init_small_state, migrate_many,
+                        plan_selection, view2d)
 from .shard import RowShard, ShardError
 from .state_format import (SD_KEY, SD_VERSION, adamw_state_dict, check_group_flags,
-                           config_change, gather_host_halves, pack, read,
+                           config_change, gather_host_halves, misplaced, pack, read,
                            restore_param_state)
 from .transfer import Link
+from .windows import apply_results, close_window
 
 
-_OPEN: "weakref.WeakSet[ZenFlowOptimizer]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_optimizers() -> None:
-    """A script that ends without close() while a host job is in flight would otherwise abort
-    the process at exit (a worker thread still inside a torch kernel while the runtime tears
-    down). atexit runs before that: wait for the work (bounded) and stop the threads."""
-    for opt in list(_OPEN):
-        try:
-            opt.close()
-        except Exception:  # never turn a clean exit into an error
-            pass
-
-
-class ZenFlowOptimizer(torch.optim.Optimizer):
+class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
     """AdamW whose important columns update on the device every step and the rest on the host.
 
     Args:
@@ -95,7 +83,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                       weight_decay=weight_decay))
         self._check_hyper()
         check_params(self.param_groups, self.config, self._param_name)
-        self._backend = self._resolve_backend()
+        self._backend = resolve_backend(self.config.backend, self._params())
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
         self._shard = RowShard(process_group, timeout=self.config.host_timeout)
@@ -108,27 +96,17 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                                       self.config.host_timeout)
         self._dev = DeviceHalf(self.ops, self.link, self._shard, self.config)
         self._guard = StepGuard(self._pipeline)  # the failed state; all-or-nothing steps
-        self._closed = False
         self._training = True
         self._global_step = 0
-        # The threads live as long as this object, not as long as whoever holds a copy of
-        # its __dict__: wrappers (Lightning's LightningOptimizer, copy.copy, profilers) share
-        # the worker and pool, and collecting such a wrapper must not stop them. A finalizer
-        # bound to this object (never __del__, which a wrapper inherits) stops them when the
-        # owner is collected, and close() runs it early; it holds the threads, not self.
-        self._shutdown = weakref.finalize(self, _stop_threads, self._worker, self._host_adamw)
-        self._shutdown.atexit = False  # _close_open_optimizers waits for the work first
-        _OPEN.add(self)
+        self._own_threads(self._worker, self._host_adamw)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, after refusing AdamW options this optimizer does not implement (named)
         and a Tensor lr."""
-        where = f"param group {len(getattr(self, 'param_groups', []))}"
         if isinstance(param_group, dict):
-            check_group_flags(param_group, where)
-            if isinstance(param_group.get("lr"), torch.Tensor):
-                raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
+            index = len(getattr(self, "param_groups", []))
+            check_group_flags(param_group, f"param group {index}")
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ construction
@@ -142,17 +120,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         settings = dict(load_profile(name).settings)
         settings.update(overrides)
         return cls(params, lr=lr, **settings)
-
-    def _resolve_backend(self) -> str:
-        want = self.config.backend
-        on_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
-        if want == "auto":
-            return "triton" if on_gpu and triton_available()[0] else "torch"
-        if want == "triton":
-            ok, why = triton_available()
-            if not ok:
-                raise RuntimeError(f'backend="triton" requested but {why}')
-        return want
 
     @property
     def backend(self) -> str:
@@ -250,17 +217,9 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
                 self.state[p] = (init_matrix_state(p, self.link, self.config.host_moment_dtype,
                                                    self._shard.rows(p.shape[0]))
                                  if classify(p, self.config) == MATRIX else init_small_state(p))
-            elif self._misplaced(p, st):
+            elif misplaced(p, st):
                 self._rehome(p, st)
         return work
-
-    @staticmethod
-    def _misplaced(p: torch.Tensor, st: dict) -> bool:
-        """Whether a framework moved this param's state (Lightning moves every state tensor
-        to the param's device after loading a checkpoint, and to the CPU at teardown)."""
-        if st["kind"] == MATRIX:
-            return st["host_master"].device.type != "cpu" or st["device_m"].device != p.device
-        return st["exp_avg"].device != p.device
 
     def _rehome(self, p: torch.Tensor, st: dict) -> None:
         """Put the host half back in host memory and the device half on the param's device."""
@@ -284,25 +243,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         """Score and pick every param's columns on its device, bring all the picks to the
         host in one copy per device, then migrate (partition.migrate_many): a few host syncs
         per reselection whatever the number of params."""
-        picks: dict[torch.device, list] = {}
-        moves = []
-        for group, p, g in items:
-            g2d = view2d(g, like=p)
-            cols = g2d.shape[1]
-            k = num_selected(cols, self.config.topk_ratio)
-            beta1, beta2 = group["betas"]
-            if k in (0, cols):  # nothing to rank
-                moves.append(Move(p, self.state[p], np.arange(k, dtype=np.int64), beta1, beta2))
-                continue
-            idx = select_columns(self.ops.column_scores(g2d, self.config.score), k)
-            picks.setdefault(g.device, []).append((p, idx, beta1, beta2))
-        for device_picks in picks.values():
-            flat = self.link.to_host(torch.cat([idx for _, idx, _, _ in device_picks])).numpy()
-            off = 0
-            for p, idx, beta1, beta2 in device_picks:
-                n = idx.numel()
-                moves.append(Move(p, self.state[p], flat[off:off + n], beta1, beta2))
-                off += n
+        moves = plan_selection(items, self.state, self.ops, self.link, self.config)
         self._counters["columns_migrated"] += migrate_many(
             moves, ops=self.ops, link=self.link, host_idx_on_device=self._dev.index_cache,
             shard=self._shard)
@@ -328,40 +269,11 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         a warm-up step, plain AdamW (host lr multiplier 1). ``apply_now``: the caller
         applies this job's result in this step (overlap=False, warm-up); a param whose
         columns are all host-owned is then written by the job itself."""
-        windows = []
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                st = self.state.get(p)
-                if not st or st["kind"] != MATRIX or st["acc_count"] == 0:
-                    continue
-                count = st["acc_count"]
-                if p in direct:  # in the grad's dtype over the link, fp32 on the host
-                    source, grad = "direct", direct[p]
-                elif self.config.accumulate_on == "device":  # fp32 window sum, once a window
-                    source, grad = "device_acc", st["acc"]
-                else:
-                    source, grad = "host_acc", st["acc"]
-                full_host = st["host_idx"].numel() == view2d(p).shape[1]
-                sharded = self._shard.sharded  # then every rank's rows meet at the apply
-                p2d = view2d(p.detach())
-                store_into = (p2d.view(-1) if apply_now and full_host and not sharded
-                              and p2d.is_contiguous() else None)
-                needs_box = store_into is None and (p.device.type == "cuda"
-                                                    or p.dtype != torch.float32)
-                st["acc_count"] = 0
-                st["host_step"] += 1
-                st["host_pending"] = True
-                scale = self.config.host_lr_multiplier(count, warmup)
-                hyper = HostHyper(lr=group["lr"] * scale, beta1=beta1, beta2=beta2,
-                                  eps=group["eps"], weight_decay=group["weight_decay"],
-                                  step=st["host_step"], grad_divisor=float(count),
-                                  adaptive_window=self.config.adaptive_window(count, warmup))
-                rows = (self._shard.rows(view2d(p).shape[0])  # the accumulators hold only
-                        if sharded and source == "direct" else None)  # this rank's rows
-                windows.append(Window(p, st["host_master"], st["host_m"], st["host_v"], hyper,
-                                      source, grad, store_into,
-                                      p.detach() if needs_box else None, rows))
+        windows = [close_window(group, p, st, self.config, self._shard, direct, apply_now,
+                                warmup)
+                   for group in self.param_groups for p in group["params"]
+                   for st in (self.state.get(p),)
+                   if isinstance(st, dict) and st.get("kind") == MATRIX and st["acc_count"]]
         if not windows:
             return
         self._counters["host_updates"] += 1
@@ -382,28 +294,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         stored, boxed_keys = self._pipeline.take_results()
         for p in stored:  # the job wrote these params itself
             self.state[p]["host_pending"] = False
-        pending = [(p, st) for group in self.param_groups for p in group["params"]
-                   for st in (self.state.get(p),) if st and st.get("host_pending")]
+        pending = [(p, st) for p in self._params() for st in (self.state.get(p),)
+                   if isinstance(st, dict) and st.get("host_pending")]
         if not pending:
             return
         # The job's results, already in each param's dtype: one non-blocking copy per arena
         # (the next job waits for it before it rewrites an outbox: CopyQueue.wait_launched).
         boxed = self._pipeline.results_on_device([p for p, _ in pending if p in boxed_keys])
-        srcs = []
-        for p, st in pending:
-            if p in boxed:
-                srcs.append(boxed[p])
-            elif p.device.type == "cpu" and p.dtype == torch.float32:
-                srcs.append(st["host_master"])  # one memory: nothing crosses, nothing waits
-                self.link.count_h2d(st["host_master"].numel() * 4)
-            else:  # a result loaded from a checkpoint: no outbox yet (once, blocking)
-                srcs.append(self.link.to_device(st["host_master"], p.device, dtype=p.dtype))
-            st["host_pending"] = False
-        # This rank's rows of each result -> all rows, on every rank (as is, unsharded).
-        srcs = self._shard.gather_rows(srcs, [view2d(p).shape[0] for p, _ in pending])
-        self.ops.scatter_columns_multi([view2d(p.detach()) for p, _ in pending],
-                                       [self._dev.host_idx(p, st) for p, st in pending],
-                                       srcs)
+        apply_results(pending, boxed, link=self.link, shard=self._shard, ops=self.ops,
+                      host_idx=self._dev.host_idx)
 
     # ------------------------------------------------------------------ public helpers
     def synchronize(self) -> None:
@@ -452,44 +351,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         return dict(self._counters, host_wait_seconds=self._pipeline.wait_seconds,
                     host_busy_seconds=self._pipeline.busy_seconds)
 
-    def close(self) -> None:
-        """Stop the host threads (after waiting for work in flight); idempotent."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        try:
-            self._pipeline.wait()
-        except Exception:  # closing must not raise for a job that already failed
-            pass
-        finally:
-            self._pipeline.abandon()  # the worker finishes queued jobs before it stops
-            self._shutdown()
-
-    def __enter__(self) -> "ZenFlowOptimizer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """copy.copy, copy.deepcopy and pickle keep torch's part of an optimizer only
-        (defaults, state, param_groups): no host threads, no step count, no pending work. Such
-        a copy is inert: it refuses to step or save, saying so, instead of failing later."""
-        super().__setstate__(state)
-        self._closed = True
-        self._detached = True
-        self._training = True
-
-    def _check_open(self) -> None:
-        if getattr(self, "_detached", False):
-            raise RuntimeError(
-                "this ZenFlowOptimizer is a copy made by copy/deepcopy/pickle, which keep only "
-                "its param_groups and state (no host threads, step count or pending host "
-                "work); to duplicate or move one, build a new ZenFlowOptimizer and call "
-                "load_state_dict(old.state_dict())")
-        if self._closed:
-            raise RuntimeError("this ZenFlowOptimizer is closed")
-
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         """Tensors and primitives only. Host work in flight is finished first and saved as
@@ -503,12 +364,15 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         the host halves (collective); :meth:`load_sharded` reads it into any world size.
         See ``zenflow_triton.checkpoint``."""
         from .checkpoint import save_sharded
-        save_sharded(self, checkpoint_id, **dcp_kwargs)
+        save_sharded(self._state_dict(gather=False), self._params(), self._shard,
+                     checkpoint_id, **dcp_kwargs)
 
     def load_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
         """Load a :meth:`save_sharded` checkpoint (collective; any world size)."""
-        from .checkpoint import load_sharded
-        load_sharded(self, checkpoint_id, **dcp_kwargs)
+        from .checkpoint import read_sharded
+        self.load_state_dict(read_sharded(self._params(), self._shard,
+                                          self.config.accumulate_on, checkpoint_id,
+                                          **dcp_kwargs))
 
     def _state_dict(self, gather: bool) -> dict[str, Any]:
         """torch's state_dict (its pre and post hooks in its order) plus the ``zenflow``
@@ -571,10 +435,7 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
         changed = None if loaded.adamw else config_change(loaded.meta.get("config"),
                                                            self.config)
         if changed:
-            warnings.warn(f"load_state_dict: the state was saved with a different ZenFlowConfig "
-                          f"({changed}); this optimizer continues with its own. Pass the saved "
-                          "values to the constructor to continue the saved run unchanged.",
-                          UserWarning, stacklevel=2)
+            warnings.warn(changed, UserWarning, stacklevel=2)
         try:  # the work in flight belongs to the state being replaced, failed or not
             self._pipeline.wait_all()
         except (HostWorkerError, ShardError):
@@ -594,13 +455,6 @@ class ZenFlowOptimizer(torch.optim.Optimizer):
 def _mean(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
-
-
-def _stop_threads(worker: HostWorker, host_adamw: HostAdamW) -> None:
-    """Stop an optimizer's host threads: the worker first (it finishes its queued job, which
-    uses the pool), then the pool. Bounded by host_timeout; idempotent."""
-    worker.close()
-    host_adamw.close()
 
 
 __all__ = ["ZenFlowOptimizer", "NonFiniteGradientError", "HostWorkerError",

@@ -89,6 +89,33 @@ def select_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(order).values
 
 
+def plan_selection(items, state: dict, ops: KernelOps, link: Link,
+                   cfg: ZenFlowConfig) -> list["Move"]:
+    """A :class:`Move` per ``(group, param, grad)`` of ``items``: the top ``k`` columns by
+    this gradient's scores, scored and picked on each param's device, the picks brought to
+    the host in one copy per device (a few host syncs whatever the number of params)."""
+    picks: dict[torch.device, list] = {}
+    moves = []
+    for group, p, g in items:
+        g2d = view2d(g, like=p)
+        cols = g2d.shape[1]
+        k = num_selected(cols, cfg.topk_ratio)
+        beta1, beta2 = group["betas"]
+        if k in (0, cols):  # nothing to rank
+            moves.append(Move(p, state[p], np.arange(k, dtype=np.int64), beta1, beta2))
+            continue
+        idx = select_columns(ops.column_scores(g2d, cfg.score), k)
+        picks.setdefault(g.device, []).append((p, idx, beta1, beta2))
+    for device_picks in picks.values():
+        flat = link.to_host(torch.cat([idx for _, idx, _, _ in device_picks])).numpy()
+        off = 0
+        for p, idx, beta1, beta2 in device_picks:
+            n = idx.numel()
+            moves.append(Move(p, state[p], flat[off:off + n], beta1, beta2))
+            off += n
+    return moves
+
+
 def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[float, float]:
     """Factors that keep m/(1-b1**s) and v/(1-b2**s) unchanged from s_src to s_dst."""
     if s_src == s_dst or s_src == 0:  # equal counts, or state never updated (all zeros)

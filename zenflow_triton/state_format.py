@@ -35,7 +35,9 @@ UNSUPPORTED_FLAGS = {"maximize": False, "amsgrad": False, "capturable": False,
 
 def check_group_flags(group: dict, where: str) -> None:
     """ValueError naming the first AdamW option of ``group`` that is set but not supported
-    (``maximize=True`` would otherwise be ignored silently)."""
+    (``maximize=True`` would otherwise be ignored silently), or a Tensor lr."""
+    if isinstance(group.get("lr"), torch.Tensor):
+        raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
     for key in UNSUPPORTED_FLAGS:
         if group.get(key):
             raise ValueError(f"{where}: {key}={group[key]!r} is not supported by "
@@ -226,15 +228,28 @@ EXECUTION_ONLY = frozenset({"chunk_size", "host_threads", "host_cores", "backend
 
 
 def config_change(saved: Any, mine: ZenFlowConfig) -> str | None:
-    """The fields (``"name: saved -> mine"``) in which a saved config differs from this
-    optimizer's in what is computed (its schedule or step rule), or None."""
+    """A warning naming the fields (``name: saved -> mine``) in which a saved config differs
+    from this optimizer's in what is computed (its schedule or step rule), or None."""
     if not isinstance(saved, dict):
         return None
     now = json.loads(json.dumps(mine.to_dict()))
     saved = json.loads(json.dumps(saved))
     changed = sorted(k for k in saved.keys() & now.keys()
                      if k not in EXECUTION_ONLY and saved[k] != now[k])
-    return ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed) or None
+    if not changed:
+        return None
+    what = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed)
+    return (f"load_state_dict: the state was saved with a different ZenFlowConfig ({what}); "
+            "this optimizer continues with its own. Pass the saved values to the constructor "
+            "to continue the saved run unchanged.")
+
+
+def misplaced(p: torch.Tensor, st: dict) -> bool:
+    """Whether a framework moved this param's state (Lightning moves every state tensor to
+    the param's device after loading a checkpoint, and to the CPU at teardown)."""
+    if st["kind"] == MATRIX:
+        return st["host_master"].device.type != "cpu" or st["device_m"].device != p.device
+    return st["exp_avg"].device != p.device
 
 
 def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
@@ -354,5 +369,5 @@ def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
 
 __all__ = ["SD_KEY", "SD_VERSION", "UNSUPPORTED_FLAGS", "EXECUTION_ONLY", "Loaded",
            "adamw_state_dict", "check_group_flags", "check_param_state", "config_change",
-           "from_adamw", "gather_host_halves", "is_adamw", "pack", "read",
+           "from_adamw", "gather_host_halves", "is_adamw", "misplaced", "pack", "read",
            "restore_param_state", "to_adamw"]

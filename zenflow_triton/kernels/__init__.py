@@ -81,6 +81,20 @@ def triton_available() -> tuple[bool, str]:
     return True, ""
 
 
+def resolve_backend(want: str, params) -> str:
+    """The backend a config's ``backend`` means for these params: "auto" is "triton" where a
+    param lives on a CUDA/ROCm device and Triton can run, else "torch"; RuntimeError saying
+    why when "triton" is asked for and cannot run."""
+    if want == "auto":
+        on_gpu = any(p.device.type == "cuda" for p in params)
+        return "triton" if on_gpu and triton_available()[0] else "torch"
+    if want == "triton":
+        ok, why = triton_available()
+        if not ok:
+            raise RuntimeError(f'backend="triton" requested but {why}')
+    return want
+
+
 def get_ops(backend: str) -> KernelOps:
     """The ops of ``backend`` ("torch" or "triton")."""
     if backend == "torch":

@@ -1,0 +1,69 @@
+"""A matrix param's window at the host boundary: closed into a :class:`host.Window` (what
+crosses, the hyperparameters of the launching step, where the result goes), and its result
+applied into the param's host-owned columns."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ZenFlowConfig
+from .host import HostHyper, Window
+from .partition import view2d
+
+
+def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, shard,
+                 direct: dict, apply_now: bool, warmup: bool) -> Window:
+    """The host's part of ``p``'s window that ends now (``st["acc_count"]`` > 0
+    gradients): its source (``direct``: the one-step window's columns, else the window
+    sum), AdamW at this step's hyperparameters with the host lr multiplier, and where the
+    result goes (the param itself, when the job applies it at once and owns every column;
+    else an outbox for a CUDA or low-precision param; else the master). Counts the host
+    step and marks the result pending."""
+    count = st["acc_count"]
+    if p in direct:  # in the grad's dtype over the link, fp32 on the host
+        source, grad = "direct", direct[p]
+    elif config.accumulate_on == "device":  # the window sum, once a window
+        source, grad = "device_acc", st["acc"]
+    else:
+        source, grad = "host_acc", st["acc"]
+    p2d = view2d(p.detach())
+    full_host = st["host_idx"].numel() == p2d.shape[1]
+    sharded = shard.sharded  # then every rank's rows meet at the apply
+    store_into = (p2d.view(-1) if apply_now and full_host and not sharded
+                  and p2d.is_contiguous() else None)
+    needs_box = store_into is None and (p.device.type == "cuda" or p.dtype != torch.float32)
+    st["acc_count"] = 0
+    st["host_step"] += 1
+    st["host_pending"] = True
+    beta1, beta2 = group["betas"]
+    hyper = HostHyper(lr=group["lr"] * config.host_lr_multiplier(count, warmup), beta1=beta1,
+                      beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                      step=st["host_step"], grad_divisor=float(count),
+                      adaptive_window=config.adaptive_window(count, warmup))
+    rows = (shard.rows(p2d.shape[0])  # the accumulators hold only this rank's rows
+            if sharded and source == "direct" else None)
+    return Window(p, st["host_master"], st["host_m"], st["host_v"], hyper, source, grad,
+                  store_into, p.detach() if needs_box else None, rows)
+
+
+def apply_results(pending: list[tuple[torch.Tensor, dict]], boxed: dict, *, link, shard, ops,
+                  host_idx) -> None:
+    """Write each pending host result into its param's host-owned columns: from its outbox
+    on the param's device (``boxed``), from the master itself where host and param share
+    memory (a CPU fp32 param: nothing crosses), else copied once (a result loaded from a
+    checkpoint, which has no outbox yet). Under data parallelism every rank's rows are
+    gathered first. ``host_idx(p, st)``: the host-owned columns on the param's device."""
+    srcs = []
+    for p, st in pending:
+        if p in boxed:
+            srcs.append(boxed[p])
+        elif p.device.type == "cpu" and p.dtype == torch.float32:
+            srcs.append(st["host_master"])  # one memory: nothing crosses, nothing waits
+            link.count_h2d(st["host_master"].numel() * 4)
+        else:  # a result loaded from a checkpoint: no outbox yet (once, blocking)
+            srcs.append(link.to_device(st["host_master"], p.device, dtype=p.dtype))
+        st["host_pending"] = False
+    # This rank's rows of each result -> all rows, on every rank (as is, unsharded).
+    srcs = shard.gather_rows(srcs, [view2d(p).shape[0] for p, _ in pending])
+    ops.scatter_columns_multi([view2d(p.detach()) for p, _ in pending],
+                              [host_idx(p, st) for p, st in pending], srcs)
