@@ -23,19 +23,21 @@ def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step):
     w.addcdiv_(m, (v.sqrt() / bc2s).add_(eps), value=-(lr / bc1))
 
 
-def _adaptive(m, v, n, j, b1, b2):
-    """The "adaptive" multiplier from the host moments after j host steps, over every host
-    element (the library samples at most 2^16 of them: test params are smaller)."""
+def _adaptive(w, m, v, n, j, b1, b2, lr):
+    """The "adaptive" multiplier from the host master and moments after j host steps, over
+    every host element (the library samples at most 2^16 of them: test params are smaller),
+    capped where c * lr would exceed 1% of the master's RMS, never below 1."""
     assert m.numel() <= 1 << 16
     if n <= 1:
         return 1.0
+    cap = max(1.0, 0.01 * w.double().pow(2).mean().sqrt().item() / lr) if lr > 0 else math.inf
     rho = 0.0
     den = v.double().sum().item() / (1 - b2 ** j) if j >= 2 else 0.0
     if den > 0:
         r = (m.double() ** 2).sum().item() / (1 - b1 ** j) ** 2 / den
         f = (1 - b1) * (1 + b1 ** j) / ((1 + b1) * (1 - b1 ** j))
         rho = min(1.0, max(0.0, (r - f) / (1 - f)))
-    return n / math.sqrt(rho + n * (1 - rho))
+    return min(n / math.sqrt(rho + n * (1 - rho)), cap)
 
 
 class ReferenceZenFlow:
@@ -185,7 +187,7 @@ class ReferenceZenFlow:
                     # Warm-up is plain AdamW; "auto" scales by the window's gradient count.
                     scale = (1.0 if warm else float(s["n"]) if self.host_scale == "auto"
                              else min(math.sqrt(s["n"]), 2.0) if self.host_scale == "sqrt"
-                             else _adaptive(m, v, s["n"], s["sh"] - 1, b1, b2)
+                             else _adaptive(w, m, v, s["n"], s["sh"] - 1, b1, b2, grp["lr"])
                              if self.host_scale == "adaptive"
                              else float(self.host_scale))
                     _adamw(w, mean, m, v, lr=grp["lr"] * scale, b1=b1, b2=b2,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from zenflow_triton import ZenFlowOptimizer
-from zenflow_triton.host.step_size import (SAMPLE, adaptive_multiplier, multiplier,
-                                           signal_fraction)
+from zenflow_triton.host.step_size import (SAMPLE, TRUST, adaptive_multiplier, multiplier,
+                                           signal_fraction, trust_cap)
 
 B1, B2 = 0.9, 0.999
 
@@ -48,7 +48,8 @@ def test_a_steady_gradient_is_signal():
     g = torch.randn(64, 32).sign() * (0.5 + torch.rand(64, 32))
     m, v = adam_moments(g.expand(10, -1, -1))
     assert signal_fraction(m, v, 10, B1, B2) == pytest.approx(1.0, abs=1e-5)
-    assert adaptive_multiplier(m, v, 8, 11, B1, B2) == pytest.approx(8.0, rel=1e-4)
+    big = torch.ones(64, 32)  # weights large against lr: the trust cap does not bind
+    assert adaptive_multiplier(big, m, v, 8, 11, B1, B2, 1e-4) == pytest.approx(8.0, rel=1e-4)
 
 
 @pytest.mark.parametrize("steps", [2, 5, 30])
@@ -59,7 +60,8 @@ def test_pure_noise_is_noise(steps):
     m, v = adam_moments(torch.randn(steps, 128, 256))
     rho = signal_fraction(m, v, steps, B1, B2)
     assert rho < 0.03, rho
-    assert adaptive_multiplier(m, v, 8, steps + 1, B1, B2) < 1.05 * math.sqrt(8)
+    big = torch.ones(128, 256)
+    assert adaptive_multiplier(big, m, v, 8, steps + 1, B1, B2, 1e-4) < 1.05 * math.sqrt(8)
 
 
 def test_signal_plus_noise_lands_between():
@@ -74,7 +76,21 @@ def test_no_history_assumes_noise():
     m, v = adam_moments(torch.ones(1, 8, 8))
     assert signal_fraction(m, v, 1, B1, B2) == 0.0  # one step: m_hat^2 = v_hat, no evidence
     assert signal_fraction(torch.zeros(8, 8), torch.zeros(8, 8), 5, B1, B2) == 0.0
-    assert adaptive_multiplier(m, v, 4, 1, B1, B2) == 2.0
+    assert adaptive_multiplier(torch.ones(8, 8), m, v, 4, 1, B1, B2, 1e-4) == 2.0
+
+
+def test_the_trust_cap_bounds_one_step_against_the_weights():
+    """c * lr at most TRUST of the weights' RMS, never below 1: a steady gradient on small
+    weights at a large lr gets one ordinary step, not n."""
+    w = torch.full((64, 32), 0.05)
+    assert trust_cap(w, 1e-3) == 1.0                       # 0.01 * 0.05 / 1e-3 = 0.5 -> 1
+    assert trust_cap(w, 1e-4) == pytest.approx(TRUST * 0.05 / 1e-4)   # 5
+    assert trust_cap(w, 0.0) == math.inf                   # lr 0 (a warm-up start)
+    g = torch.ones(64, 32)
+    m, v = adam_moments(g.expand(10, -1, -1))
+    assert adaptive_multiplier(w, m, v, 8, 11, B1, B2, 1e-3) == 1.0
+    assert adaptive_multiplier(w, m, v, 8, 11, B1, B2, 1e-4) == pytest.approx(5.0)
+    assert adaptive_multiplier(w, m, v, 4, 11, B1, B2, 1e-4) == pytest.approx(4.0, rel=1e-4)
 
 
 def test_large_params_are_sampled_deterministically_and_bf16_moments_work():
@@ -94,7 +110,7 @@ def test_the_optimizer_steps_a_steady_gradient_by_n_once_it_has_history():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(16, 8))
     g = torch.randn(16, 8).sign() * (0.5 + torch.rand(16, 8))
-    lr, n = 1e-2, 4
+    lr, n = 1e-3, 4  # weights of RMS ~1: the trust cap (10) does not bind
     opt = ZenFlowOptimizer([w], lr=lr, weight_decay=0.0, topk_ratio=0.0, update_interval=n,
                            overlap=False, min_offload_numel=1, host_lr_scale="adaptive")
     moves = []

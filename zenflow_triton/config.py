@@ -100,8 +100,8 @@ class ZenFlowConfig:
     (docs/design.md, "The host step size"). "auto": n, as far as AdamW travels when the
     gradient is steady; it overshoots and diverged at long windows in that study.
     "adaptive": between sqrt(n) and n by the signal fraction of the window mean, estimated
-    per param from its host moments before each host step (``host.step_size``; 1 when
-    n = 1). A number
+    per param from its host moments before each host step, and at most what keeps one host
+    step within 1% of the weights' RMS, never below 1 (``host.step_size``; 1 when n = 1). A number
     x > 0: x for every window; 1.0 is ZenFlow's and DeepSpeed's semantics (one ordinary AdamW
     step per window), which lags AdamW at fine-tuning learning rates. Warm-up steps are plain
     AdamW: multiplier 1 whatever this is."""

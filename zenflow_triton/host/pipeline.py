@@ -401,8 +401,8 @@ def resolve_adaptive(tasks: list, keys: Sequence[Hashable]
     for key, task in zip(keys, tasks):
         h = task[4]
         if h.adaptive_window:
-            c = adaptive_multiplier(task[2], task[3], h.adaptive_window, h.step, h.beta1,
-                                    h.beta2)
+            c = adaptive_multiplier(task[0], task[2], task[3], h.adaptive_window, h.step,
+                                    h.beta1, h.beta2, h.lr)
             record[key] = c
             task = task[:4] + (replace(h, lr=h.lr * c, adaptive_window=0),) + task[5:]
         out.append(task)

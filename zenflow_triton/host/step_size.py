@@ -21,9 +21,12 @@ steps, and ``v_hat`` estimates ``mu^2 + s2/n``; so ``rho = (R - f) / (1 - f)``, 
 sample of at most ``SAMPLE`` elements, summed in float64 by numpy: deterministic whatever
 the threads). With no history (``j < 2``) the estimate assumes noise: ``c = sqrt(n)``.
 
-An overshoot shows in the next window's gradient as a change of sign, which shrinks
-``m_hat`` and so ``c``: the rule backs off where the stale step overshot. The derivation is
-in docs/design.md, "The host step size".
+Drift matching assumes the window's gradients would not have changed had the param moved
+during the window; that fails when one stale step is large against the weights (the tiny
+LMs at lr 1e-3, near the edge of stability, diverged at long windows with ``c`` near ``n``).
+So ``c`` is also capped where one host step would change the host half by more than
+``TRUST`` of its RMS (``c * lr > TRUST * rms(w)``), never below 1: ZenFlow's one ordinary
+step. The derivation is in docs/design.md, "The host step size".
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ import numpy as np
 import torch
 
 SAMPLE = 1 << 16
-"""Most elements of a param's host moments read to estimate its signal fraction."""
+"""Most elements of a param's host moments (or master) read for one estimate."""
+
+TRUST = 0.01
+"""Most relative change (of the host half's RMS) one adaptive host step may make; set a
+priori, not fitted: about ten fine-tuning AdamW steps (lr 2e-5 on weights of RMS 0.03 move
+them 0.07% a step)."""
 
 
 def _sample(t: torch.Tensor) -> np.ndarray:
@@ -74,8 +82,21 @@ def multiplier(n: int, rho: float) -> float:
     return n / math.sqrt(rho + n * (1.0 - rho))
 
 
-def adaptive_multiplier(m: torch.Tensor, v: torch.Tensor, n: int, step: int, beta1: float,
-                        beta2: float) -> float:
-    """The multiplier of host step ``step`` (1-based) on a window of ``n`` gradients, from the
-    moments as they are before it (``step - 1`` steps)."""
-    return multiplier(n, signal_fraction(m, v, step - 1, beta1, beta2))
+def trust_cap(master: torch.Tensor, lr: float) -> float:
+    """The largest multiplier whose host step changes the param's host half by at most
+    ``TRUST`` of its RMS: an Adam step moves an element by about ``lr``, so a step of
+    multiplier ``c`` by about ``c * lr``; never below 1 (one ordinary AdamW step)."""
+    if not lr > 0.0:
+        return math.inf
+    w = _sample(master)
+    rms = math.sqrt(float(np.dot(w, w)) / w.size) if w.size else 0.0
+    return max(1.0, TRUST * rms / lr)
+
+
+def adaptive_multiplier(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, n: int,
+                        step: int, beta1: float, beta2: float, lr: float) -> float:
+    """The multiplier of host step ``step`` (1-based) on a window of ``n`` gradients at base
+    learning rate ``lr``, from the master and moments as they are before it (``step - 1``
+    steps): the drift-matching multiplier, at most :func:`trust_cap`."""
+    return min(multiplier(n, signal_fraction(m, v, step - 1, beta1, beta2)),
+               trust_cap(master, lr))
