@@ -289,7 +289,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     study_name = args.study or f"{base_name}-{code_key()}"
     profile_name = None
     if not args.no_profile:
-        profile_name = args.profile or _slug(study_name)
+        profile_name = args.profile or _slug(base_name)  # the latest tuning of this workload
         try:
             validate_name(profile_name)
         except ProfileError as e:
