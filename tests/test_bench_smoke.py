@@ -4,6 +4,10 @@ CI (``scripts/test.sh``) runs ``ZENFLOW_BENCH_QUICK=1 pytest bench ...`` on a ma
 CUDA. bench/bench_kernels.py then has to run its CPU smoke mode (Triton interpreter, tiny
 shapes). If it skipped everything again, its code could rot unseen; this test runs it the
 way CI does, in a subprocess with CUDA hidden, and fails unless its benchmarks passed.
+
+Likewise for what runs only where a GPU is lent: bench/gpu_check.py in its CPU smoke mode,
+and bench/gpu_check.sh in its dry mode (its checks, its plan, its pieces collected) and, with
+stand-in pieces, its real mode's way of stopping itself while keeping every report.
 """
 
 from __future__ import annotations
@@ -87,3 +91,112 @@ def test_gpu_check_script_runs_in_cpu_smoke_mode(tmp_path):
     assert report["trajectory"]["ok"] and report["trajectory"]["columns_migrated"][0] > 0
     assert report["syncs"]["steady"]["blocking_transfers"] == 0
     assert (tmp_path / "gpu_check.txt").exists()
+
+
+GPU_CHECK = "bench/gpu_check.sh"
+GPU_CHECK_FILES = 7  # what comes back from the GPU machine: at most 8 files; the script keeps 7
+PIECE_FILES = ["tests/test_kernels.py", "tests/test_triton_backend.py",
+               "tests/test_cuda_pipeline.py", "tests/test_gpu_discipline.py"]
+
+
+def _gpu_check_env(out: Path, **extra: str) -> dict[str, str]:
+    env = _ci_env()
+    env.pop("ZENFLOW_BENCH_QUICK", None)
+    for var in [v for v in env if v.startswith("GPU_CHECK_")]:
+        env.pop(var)
+    env.update(OUT=str(out), PYTHON=sys.executable, **extra)
+    return env
+
+
+def _files(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_gpu_check_dry_mode_runs_here(tmp_path, how):
+    """bench/gpu_check.sh runs where a GPU is lent, once, with no network: its dry mode
+    (GPU_CHECK_DRY=1 or --dry-run) does everything up to the first CUDA call here. It checks
+    what Triton needs to build its launcher (a C compiler, Python.h) and numpy, says what it
+    would run, collects every piece, and exits 0 with env.txt, tests.txt and run.log in OUT
+    (within the 7 files the script may leave)."""
+    import shutil
+    import sysconfig
+
+    out = tmp_path / "out"
+    env = _gpu_check_env(out, **({"GPU_CHECK_DRY": "1"} if how == "env" else {}))
+    args = ["bash", GPU_CHECK] + (["--dry-run"] if how == "flag" else [])
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert _files(out) == ["env.txt", "run.log", "tests.txt"], _files(out)
+    assert len(_files(out)) <= GPU_CHECK_FILES
+    env_txt = (out / "env.txt").read_text()
+    assert "mode: dry" in env_txt
+    # What Triton needs, found where this machine has it (MISSING where it has not).
+    cc = next((shutil.which(c) for c in (os.environ.get("CC"), "gcc", "clang", "cc")
+               if c and shutil.which(c)), None)
+    assert (f"C compiler: {cc}" if cc else "C compiler: MISSING") in env_txt, env_txt
+    scheme = sysconfig.get_default_scheme()  # where Triton looks for Python.h
+    inc = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)[
+        "include"]
+    has_h = (Path(inc) / "Python.h").is_file()
+    assert ("Python headers: " + str(Path(inc) / "Python.h") if has_h
+            else "Python headers: MISSING") in env_txt, env_txt
+    import numpy
+    assert f"numpy: {numpy.__version__}" in env_txt
+    assert "missing: " in env_txt
+    # The commands it would run, each piece stopping itself, and all of them collected.
+    for i, f in enumerate(PIECE_FILES):
+        line = next(ln for ln in log.splitlines() if ln.startswith(f"  piece {i}: "))
+        assert f" {f} --junitxml=" in line and "timeout -s INT" in line, line
+        assert re.search(rf"collect {re.escape(f)}: [1-9]\d* tests", log), log
+    assert "gpu_check.py --help: ok" in log
+    assert "dry run: OK" in log
+    tests_txt = (out / "tests.txt").read_text()
+    assert all(f"{f}::" in tests_txt for f in PIECE_FILES)
+    assert re.search(r"\d+ tests collected in", tests_txt), tests_txt[-2000:]
+    assert "dry run: OK" in (out / "run.log").read_text()
+    assert not any((tmp_path / "out").glob("*.xml"))  # nothing ran
+
+
+def test_gpu_check_stops_its_pieces_and_keeps_their_reports(tmp_path):
+    """The real mode's timing, on CPU with stand-in pieces (GPU_CHECK_PIECES) and a short
+    plan: a piece that outruns its budget is stopped in time and its report is kept (the
+    test that ran passed, the one that hung failed or was cut, the rest never started), a
+    piece left without time is not run and shows as an error, the reports are merged into
+    one tests.xml, at most 7 files are left, and the exit status says it failed
+    (gpu_check.py, with no CUDA here, exits 2)."""
+    import time
+    import xml.etree.ElementTree as ET
+
+    fake = tmp_path / "pieces"
+    fake.mkdir()
+    (fake / "test_slow.py").write_text(
+        "import time\n\ndef test_fast():\n    pass\n\ndef test_hangs():\n    time.sleep(120)\n"
+        "\ndef test_after():\n    pass\n")
+    (fake / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    pieces = f"{fake / 'test_slow.py'} 4\n{fake / 'test_ok.py'} 20\n{fake / 'test_ok.py'} 2"
+    out = tmp_path / "out"
+    env = _gpu_check_env(out, GPU_CHECK_PIECES=pieces, GPU_CHECK_BUDGET_S="90",
+                         GPU_CHECK_MIN_S="5", GPU_CHECK_PIECE_MIN_S="1", GPU_CHECK_GRACE_S="3")
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", GPU_CHECK], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    took = time.monotonic() - t0
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log
+    assert "gpu_check rc=2" in log, log[-3000:]
+    assert took < 60, f"{took:.0f} s: the hanging test was not stopped at its budget\n{log}"
+    files = _files(out)
+    assert files == ["env.txt", "run.log", "tests.txt", "tests.xml"], files
+    suites = ET.parse(out / "tests.xml").getroot().findall("testsuite")
+    assert [s.get("name") for s in suites] == [str(fake / "test_slow.py"),
+                                               str(fake / "test_ok.py"),
+                                               str(fake / "test_ok.py")]
+    slow = {c.get("name"): c for c in suites[0].iter("testcase") if c.get("name")}
+    assert "test_fast" in slow and not list(slow["test_fast"]), ET.tostring(suites[0])
+    assert "test_after" not in slow  # the session stopped after the hung test
+    assert [c.get("name") for c in suites[1].iter("testcase")] == ["test_ok"]
+    assert suites[2].get("errors") == "1"  # the piece left no time: not run, reported
+    assert "not run, no time left" in (out / "tests.txt").read_text()

@@ -159,3 +159,51 @@ def test_memory_table_script_runs():
         "defaults, `accumulator_dtype=\"bfloat16\"`"][0]
     assert all(r[1] > 0 for label, r in rows.items() if "ZeRO" in label)
     assert rows["`torch.optim.AdamW`, mixed precision (fp32 master, m, v)"][0] == 12.0
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+@pytest.mark.parametrize("host_dtype,acc_dtype", [("float32", "float32"),
+                                                  ("bfloat16", "float32"),
+                                                  ("float32", "bfloat16"),
+                                                  ("bfloat16", "bfloat16")])
+def test_host_state_and_accumulator_dtypes(host_dtype, acc_dtype, accumulate_on):
+    """``host_state_dtype`` is the dtype of the host moments ``host_m``/``host_v`` held in
+    ``opt.state[p]`` (the host master stays fp32), ``accumulator_dtype`` that of the window
+    accumulator ``acc`` on whichever side accumulates: mid-window, after a reselection moved
+    columns (which rebuilds the host state), and after a state dict round trip. Host moments
+    silently kept in fp32 (or an fp32 accumulator) fail here."""
+    want_m, want_acc = getattr(torch, host_dtype), getattr(torch, acc_dtype)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.Linear(256, 256, bias=False)
+                                 for _ in range(3)]).to(torch.bfloat16)
+    cfg = dict(lr=1e-3, topk_ratio=0.1, update_interval=4, select_interval=8,
+               host_state_dtype=host_dtype, accumulator_dtype=acc_dtype,
+               accumulate_on=accumulate_on)
+
+    def check(opt, when: str) -> None:
+        assert opt.state, when
+        for p, st in opt.state.items():
+            for key in ("host_m", "host_v"):
+                assert st[key].dtype == want_m, (when, key, st[key].dtype)
+                assert st[key].device.type == "cpu", (when, key)
+                assert st[key].numel() > 0, (when, key)
+            assert st["host_master"].dtype == torch.float32, when
+            assert st["acc"] is not None, when  # mid-window: the accumulator is open
+            assert st["acc"].dtype == want_acc, (when, st["acc"].dtype)
+            assert st["acc"].shape == st["host_master"].shape, when
+            if accumulate_on == "host":
+                assert st["acc"].device.type == "cpu", when
+
+    with ZenFlowOptimizer(model.parameters(), **cfg) as opt:
+        train(model, opt, 6)  # u = 6: the window of steps 5..8 holds two gradients
+        check(opt, "mid-window")
+        train(model, opt, 4, seed=1)  # u = 9 reselects (columns migrate), u = 10 accumulates
+        assert opt.stats()["columns_migrated"] > 0
+        check(opt, "after a reselection")
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    with ZenFlowOptimizer(model.parameters(), **cfg) as new:
+        new.load_state_dict(sd)
+        check(new, "loaded")
