@@ -259,17 +259,20 @@ def test_reference_comparison_differs_when_the_schedule_differs(change):
     assert_not_close(got, want, STEPS, host_lr(cfg))
 
 
-@pytest.mark.parametrize("accumulate_on", ["device", "host"])
-def test_overlap_runs_are_bit_identical(accumulate_on):
+@pytest.mark.parametrize("accumulate_on,rule", [("device", "sqrt"), ("host", "sqrt"),
+                                                ("device", "adaptive")])
+def test_overlap_runs_are_bit_identical(accumulate_on, rule):
     """The same computation with other thread counts and chunk sizes: bit for bit (a real
-    model, whose gradients feed back through every layer)."""
+    model, whose gradients feed back through every layer; the adaptive step size reads the
+    moments by a fixed sample, whatever the threads)."""
     data = batches(STEPS)
 
     def run(**host):
         model = make_model()
         with ZenFlowOptimizer(param_groups(model), min_offload_numel=64, topk_ratio=0.15,
                               update_interval=4, select_interval=8, overlap=True,
-                              accumulate_on=accumulate_on, **host) as opt:
+                              accumulate_on=accumulate_on, host_lr_scale=rule,
+                              **host) as opt:
             train(model, opt, data, torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda))
             opt.synchronize()
         return params_of(model)

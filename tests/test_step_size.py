@@ -126,22 +126,3 @@ def test_the_optimizer_steps_a_steady_gradient_by_n_once_it_has_history():
     assert moves[1] == pytest.approx(2.0, rel=1e-3)   # one step of history: still none
     assert moves[3] == pytest.approx(4.0, rel=1e-3)   # signal: n
     assert mult == pytest.approx(4.0, rel=1e-4)
-
-
-def test_adaptive_runs_are_bit_identical_across_threads_and_chunks():
-    from .helpers import batches, make_model, param_groups, params_of, train, warmup_lambda
-    data = batches(24)
-
-    def run(**host):
-        model = make_model()
-        with ZenFlowOptimizer(param_groups(model), min_offload_numel=64, topk_ratio=0.15,
-                              update_interval=4, select_interval=8,
-                              host_lr_scale="adaptive", **host) as opt:
-            train(model, opt, data, torch.optim.lr_scheduler.LambdaLR(opt, warmup_lambda))
-            opt.synchronize()
-        return params_of(model)
-
-    a = run(host_threads=2, chunk_size=50)
-    b = run(host_threads=1, chunk_size=1 << 20)
-    for x, y in zip(a, b):
-        assert torch.equal(x, y)
