@@ -229,24 +229,24 @@ class counting:
                 site = _from_library()
                 if site is not None and blocks(*a, **k):
                     self._add(f"{label} at {site}")
-                self._depth += 1
-                try:
-                    return real(*a, **k)
-                finally:
-                    self._depth -= 1
+                return self._nested(real, a, k)
             return wrapper
         return make
+
+    def _nested(self, real, a, k):
+        """``real(*a, **k)`` with counting off inside it (a counted call counts once)."""
+        self._depth += 1
+        try:
+            return real(*a, **k)
+        finally:
+            self._depth -= 1
 
     def _quiet(self, real):
         """A Link transfer: the Link counts it; nothing inside it is counted again."""
         def wrapper(*a, **k):
             if not self._mine():
                 return real(*a, **k)
-            self._depth += 1
-            try:
-                return real(*a, **k)
-            finally:
-                self._depth -= 1
+            return self._nested(real, a, k)
         return wrapper
 
     def _to_blocks(self, tensor, *a, **k) -> bool:
