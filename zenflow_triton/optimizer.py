@@ -143,9 +143,9 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None):
         """One optimizer step; ``closure`` (re-)computes the loss under grad mode first.
 
-        A step is all or nothing: what may fail or be interrupted (the closure, the checks,
-        the waits for host work) happens before anything changes; after that the step
-        finishes, and a KeyboardInterrupt that arrives meanwhile is raised once it has (so
+        A step is all or nothing: the closure, the checks and the first waits happen before
+        anything changes; after that the step finishes, and a KeyboardInterrupt that arrives
+        meanwhile (Ctrl-C, or inside a wait for host work) is raised once it has (so
         ``stats()["steps"]`` says whether the interrupted step counts). Anything else that
         raises mid-step leaves the optimizer failed (:class:`OptimizerFailedError`)."""
         self._check_open()
@@ -164,9 +164,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         warmup = u <= 0
         reselect = not warmup and (u - 1) % cfg.effective_select_interval == 0
         boundary = warmup or u % cfg.update_interval == 0
-        drains_first = reselect or (boundary and cfg.overlap and not warmup)
-        self._guard.before(lambda: self._wait_before_step(drains_first), self._shard.sharded,
-                           self._global_step)
+        self._guard.before(self._wait_before_step, self._shard.sharded, self._global_step)
         with self._guard.whole_step(lambda: self._global_step):
             self._global_step += 1
             if reselect:
@@ -191,14 +189,14 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                     self._drain()          # synchronous: apply this window's result now
         return loss
 
-    def _wait_before_step(self, drains_first: bool) -> None:
-        """The waits of a step that come before any change: a failed host accumulation, the
-        copy-in of the accumulators on loan, and, where the step starts by applying the
-        window in flight, that job. An interrupt here leaves the optimizer before the step."""
+    def _wait_before_step(self) -> None:
+        """The waits of a step that come before any change: a failed host accumulation and
+        the copy-in of the accumulators on loan to the job in flight (an interrupt here
+        leaves the optimizer before the step). The job the step applies is waited for later,
+        after the device half is queued, so the accelerator has work meanwhile; an interrupt
+        in that wait is held until the step is done."""
         self._pipeline.check()  # a failed host accumulation raises before any change
         self._pipeline.wait_copy_in()
-        if drains_first:
-            self._pipeline.wait()
 
     def _check_hyper(self) -> None:
         for gi, g in enumerate(self.param_groups):
