@@ -5,7 +5,6 @@ dicts both ways, strided layouts, interrupted steps."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch

@@ -198,10 +198,9 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self._pipeline.check()  # a failed host accumulation raises before any change
         self._pipeline.wait_copy_in()
 
-    def _check_hyper(self) -> None:
-        for gi, g in enumerate(self.param_groups):
-            check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
-                        where=f"param group {gi}")
+    def _check_hyper(self, groups: list[dict] | None = None, what: str = "param group") -> None:
+        for gi, g in enumerate(self.param_groups if groups is None else groups):
+            check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], where=f"{what} {gi}")
 
     def _collect_grads(self) -> Work:
         """The step's gradients, checked (``grads``), with every param's state made or put
@@ -427,9 +426,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                 state_dict = result
         loaded = read(state_dict, self.param_groups, self.config, self._shard.rows,
                       self._param_name)
-        for gi, g in enumerate(loaded.groups):
-            check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"],
-                        where=f"state_dict param group {gi}")
+        self._check_hyper(loaded.groups, "state_dict param group")
         changed = None if loaded.adamw else config_change(loaded.meta.get("config"),
                                                            self.config)
         if changed:

@@ -159,9 +159,9 @@ def check_param_state(label: str, p: torch.Tensor, saved: Any, kind: str,
     row_options = tuple(dict.fromkeys((rows, own_rows)))
     for key in ("host_master", "host_m", "host_v"):
         _tensor(f"{where}: {key}", saved.get(key), (rows, n), row_options)
-    for key in ("device_step", "host_step", "acc_count"):
+    for key in ("device_step", "host_step"):
         _as_int(f"{where}: {key}", saved.get(key))
-    if _as_int(f"{where}: acc_count", saved["acc_count"]) > 0:
+    if _as_int(f"{where}: acc_count", saved.get("acc_count")) > 0:
         _tensor(f"{where}: acc", saved.get("acc"), (rows, n), row_options)
 
 
