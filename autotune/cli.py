@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ZenFlow update_interval (default: the profile's)")
     pr.add_argument("--accumulate-on", choices=("device", "host"), default=None,
                     help="ZenFlow accumulate_on (default: the profile's, else device)")
+    pr.add_argument("--select-interval", type=_pos_int, default=None,
+                    help="ZenFlow select_interval, a multiple of the update interval "
+                         "(default: the profile's, else 16 windows)")
+    pr.add_argument("--dense-params", nargs="*", default=None, metavar="PATTERN",
+                    help="ZenFlow dense_params: name patterns of matrices kept whole on the "
+                         "device (default: the profile's, else embeddings and the LM head); "
+                         "given with no pattern, every matrix is split")
     pr.add_argument("--measure-host", action="store_true",
                     help="time this machine's host AdamW (~1 s) and use it as the host rate")
     pr.add_argument("--json", action="store_true", help="one JSON object, keyed by mode")
@@ -574,9 +581,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
                                 mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
     overrides = {k: v for k, v in (("topk_ratio", args.topk_ratio),
                                    ("update_interval", args.update_interval),
-                                   ("accumulate_on", args.accumulate_on)) if v is not None}
+                                   ("select_interval", args.select_interval),
+                                   ("accumulate_on", args.accumulate_on),
+                                   ("dense_params", None if args.dense_params is None
+                                    else tuple(args.dense_params))) if v is not None}
     settings = {k: v for k, v in prof.settings.items()
-                if not (k == "select_interval" and "update_interval" in overrides)}
+                if not (k == "select_interval" and ("update_interval" in overrides
+                                                    or "select_interval" in overrides))}
     cfg = M.zenflow_config(settings, **overrides)
     preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg)
     if args.plot:
@@ -594,7 +605,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
           f"{wl.dtype}) on {hw.name}, {args.gpus} GPU(s), {wl.tokens} tokens per GPU per step, "
           f"MFU {wl.mfu:g}; host AdamW {rate:.3g} elements/s per GPU ({how}).")
     print(f"zenflow: topk_ratio={cfg.topk_ratio}, update_interval={cfg.update_interval}, "
-          f"overlap={cfg.overlap}, accumulate_on={cfg.accumulate_on!r}. Memory excludes "
+          f"overlap={cfg.overlap}, accumulate_on={cfg.accumulate_on!r}, "
+          f"dense_params={cfg.dense_params!r}. Memory excludes "
           "activations. docs/stepmodel.md has the formulas.")
     print()
     print(M.markdown_table(shown))

@@ -53,7 +53,8 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
 
 QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
-QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap")
+QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
+                "dense_params")
 """The settings that change the optimizer's arithmetic, hence the quality (a grid point)."""
 MAX_ATTEMPTS = 2
 """Training runs of one grid point that may fail (an exception, not a divergence) before the

@@ -121,14 +121,16 @@ def train_and_measure(factory: Callable[..., Any], make_optimizer: Callable[[Any
                       ts: TuneSettings, *,
                       report: Callable[[int, float], None] | None = None,
                       report_every: int = 10, initial_loss: bool = False) -> TrainResult:
-    """Train ``ts.steps`` steps of a fresh workload with ``make_optimizer(params)``.
+    """Train ``ts.steps`` steps of a fresh workload with ``make_optimizer(params)``
+    (``params``: the model's ``named_parameters()``, so ZenFlow's dense set finds its
+    params by name; ``torch.optim`` optimizers take them too).
 
     ``report(step, throughput_so_far)`` is called every ``report_every`` measured steps (it
     may raise ``optuna.TrialPruned``)."""
     device = torch.device(ts.device)
     wl: Workload = build_workload(factory, seed=ts.seed, device=device, name=ts.workload)
     init = heldout_loss(wl) if initial_loss else None
-    opt = make_optimizer(wl.model.parameters())
+    opt = make_optimizer(wl.model.named_parameters())
     items = 0
     t0 = time.perf_counter()
     loss_val = math.nan

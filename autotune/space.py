@@ -11,10 +11,14 @@ Parameters (Optuna names):
 * ``select_windows``    int, log scale: ``select_interval = select_windows * update_interval``
 * ``chunk_log2``        int: ``chunk_size = 2 ** chunk_log2`` elements
 * ``host_threads``      int, ``[1, max_host_threads]``
-* ``host_lr_exponent``  float in [0, 1]: ``host_lr_scale = update_interval ** e``, from 1.0
-  (ZenFlow / DeepSpeed semantics, e = 0) through sqrt(update_interval) (the default "sqrt"
-  rule below its cap, e = 0.5) to ``"auto"`` (= update_interval, e = 1); with
-  ``search_host_lr=False`` the library default
+* ``host_lr_rule``      categorical: ``"adaptive"`` (``host_lr_scale="adaptive"``, the
+  multiplier resolved per window from the host moments) or ``"power"``:
+* ``host_lr_exponent``  float in [0, 1], only under ``"power"``: ``host_lr_scale =
+  update_interval ** e``, from 1.0 (ZenFlow / DeepSpeed semantics, e = 0) through
+  sqrt(update_interval) (the "sqrt" rule below its cap, e = 0.5) to ``"auto"``
+  (= update_interval, e = 1);
+
+with ``search_host_lr=False`` the library default.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from zenflow_triton import ZenFlowConfig
 
 from .hardware import usable_cpus
 
-__all__ = ["SearchSpace", "default_settings"]
+__all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES"]
+
+HOST_LR_RULES = ("adaptive", "power")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class SearchSpace:
     """None = the CPUs this process may use."""
     search_host_lr: bool = True
     overlap: bool = True
+    dense_params: tuple[str, ...] | None = None
+    """Fixed for every trial: ZenFlow's dense set (name patterns); None = the library's."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk_min <= self.topk_max <= 1.0:
@@ -72,8 +80,11 @@ class SearchSpace:
         chunk_log2 = trial.suggest_int("chunk_log2", self.chunk_log2_min, self.chunk_log2_max)
         threads = trial.suggest_int("host_threads", 1, self.host_threads_max)
         if self.search_host_lr:
-            e = trial.suggest_float("host_lr_exponent", 0.0, 1.0)
-            host_lr_scale: float | str = float(ui) ** e
+            rule = trial.suggest_categorical("host_lr_rule", HOST_LR_RULES)
+            if rule == "adaptive":
+                host_lr_scale: float | str = "adaptive"
+            else:
+                host_lr_scale = float(ui) ** trial.suggest_float("host_lr_exponent", 0.0, 1.0)
         else:
             host_lr_scale = ZenFlowConfig().host_lr_scale
         return self.settings_from(topk_ratio=topk, update_interval=ui,
@@ -82,6 +93,8 @@ class SearchSpace:
 
     def settings_from(self, **fields: Any) -> dict[str, Any]:
         fields.setdefault("overlap", self.overlap)
+        if self.dense_params is not None:
+            fields.setdefault("dense_params", tuple(self.dense_params))
         cfg = ZenFlowConfig(**fields)  # raises ConfigError if anything is out of range
         return {k: getattr(cfg, k) for k in fields}
 
@@ -100,10 +113,13 @@ class SearchSpace:
                                self.chunk_log2_max),
             "host_threads": self.host_threads_max,
         }
-        if self.search_host_lr:
+        if self.search_host_lr and d.host_lr_scale == "adaptive":
+            p["host_lr_rule"] = "adaptive"
+        elif self.search_host_lr:
             # host_lr_scale = ui ** e: the default's multiplier of a full window at this ui
             # (for "sqrt": e = 0.5 up to its cap)
             e = math.log(d.host_lr_multiplier(ui)) / math.log(ui) if ui > 1 else 0.0
+            p["host_lr_rule"] = "power"
             p["host_lr_exponent"] = clip(e, 0.0, 1.0)
         return p
 

@@ -155,23 +155,24 @@ class TinyDecoderLM(nn.Module):
     def __init__(self, vocab: int = 256, d: int = 128, n_layers: int = 2, n_heads: int = 4,
                  seq_len: int = 64, mlp_ratio: int = 4):
         super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.zeros(seq_len, d))
+        # HF-style names, so ZenFlow's default dense set (embeddings, LM head) finds them
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.embed_positions = nn.Parameter(torch.zeros(seq_len, d))
         self.blocks = nn.ModuleList(_Block(d, n_heads, mlp_ratio) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
-        nn.init.normal_(self.pos, std=0.02)
+        nn.init.normal_(self.embed_positions, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        x = self.embed_tokens(idx) + self.embed_positions[: idx.shape[1]]
         for blk in self.blocks:
             x = blk(x)
-        return self.head(self.ln_f(x))
+        return self.lm_head(self.ln_f(x))
 
 
 def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -248,6 +249,16 @@ def _pretrain_tiny_lm(d: int, n_layers: int, n_heads: int, seq_len: int) -> dict
     return model.state_dict()
 
 
+_OLD_NAMES = {"tok.weight": "embed_tokens.weight", "pos": "embed_positions",
+              "head.weight": "lm_head.weight"}
+
+
+def _renamed(state: dict) -> dict:
+    """A cached pretrain saved before the tiny LM's params took HF-style names (same params,
+    same order, same bits), under today's names."""
+    return {_OLD_NAMES.get(k, k): v for k, v in state.items()}
+
+
 def built_with() -> dict:
     """What a cached pretrain was built with: torch, its threads, the CPU, the date."""
     import platform
@@ -279,7 +290,7 @@ def pretrained_tiny_lm_state(*, d: int = 128, n_layers: int = 2, n_heads: int = 
     path = cache_dir() / name
     if path.exists():
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = _renamed(torch.load(path, map_location="cpu", weights_only=True))
             if on_hit is not None:
                 meta = path.with_suffix(".json")
                 on_hit(f"the pretrained tiny LM cached in {path}"

@@ -11,6 +11,7 @@ import torch
 
 from autotune import cli
 from autotune import stepmodel as S
+from zenflow_triton import ZenFlowConfig
 from zenflow_triton import profiles as P
 
 
@@ -149,7 +150,7 @@ def test_adamw_is_compute_plus_memory_bound_update_and_sharded_over_gpus():
 def test_zenflow_zero_offload_mode_predicts_exactly_the_zero_offload_step(profile, model, gpus):
     h, wl = S.Hardware.from_profile(profile), S.Workload.from_preset(model)
     zf = S.predict(h, wl, "zenflow", gpus=gpus, topk_ratio=0.0, update_interval=1,
-                   overlap=False)
+                   overlap=False, dense_params=())  # ZeRO-Offload mode: no dense set
     zo = S.predict(h, wl, "zero-offload", gpus=gpus, window_steps=1)
     for key in ("modelled_step_time_s", "stall_fraction", "link_bytes_per_step",
                 "link_down_bytes_per_step", "link_up_bytes_per_step", "host_busy_fraction",
@@ -235,7 +236,9 @@ def test_link_bytes_per_gpu_fall_as_one_over_gpus():
 def test_link_bytes_match_the_measured_ratios():
     h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
     model_bytes = wl.numel * 2
-    ratio = {acc: S.predict(h, wl, "zenflow", accumulate_on=acc).link_bytes_per_step
+    # the measured ratios are of a model of split matrices only (no dense set)
+    ratio = {acc: S.predict(h, wl, "zenflow", accumulate_on=acc,
+                            dense_params=()).link_bytes_per_step
              / model_bytes for acc in ("device", "host")}
     assert S.predict(h, wl, "zero-offload").link_bytes_per_step / model_bytes == \
         pytest.approx(2.0, abs=1e-3)
@@ -272,8 +275,8 @@ def test_memory_per_param_follows_the_readme_table():
     h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
     n = wl.numel
 
-    def per_param(mode, **st):
-        m = S.predict(h, wl, mode, **st).memory
+    def per_param(mode, **st):  # the table's model has split matrices only: no dense set
+        m = S.predict(h, wl, mode, dense_params=(), **st).memory
         dev = sum(v for k, v in m["device"].items() if k not in ("params", "grads"))
         return dev / n, sum(m["host"].values()) / n
 
@@ -355,8 +358,12 @@ def test_cpu_profile_has_host_facts_only():
     with pytest.raises(S.StepModelError, match="bf16_tensor_tflops_dense"):
         S.predict(cpu, wl, "zenflow")
     e_host = sum(p.shape[0] * (p.cols - S._k(0.1, p.cols)) for p in wl.params
-                 if p.is_matrix(4096))
+                 if p.is_matrix(4096, ZenFlowConfig().dense_params))
     assert S.host_update_seconds(cpu, wl) == pytest.approx(e_host / 1e9)
+    e_all = sum(p.shape[0] * (p.cols - S._k(0.1, p.cols)) for p in wl.params
+                if p.is_matrix(4096))
+    assert e_all > e_host  # OPT's embeddings are in the dense set
+    assert S.host_update_seconds(cpu, wl, dense_params=()) == pytest.approx(e_all / 1e9)
 
 
 def test_gh200_profile_is_valid_cited_and_listed():
@@ -448,6 +455,31 @@ def test_cli_predict_options_change_the_prediction(capsys):
     assert other["zenflow"]["settings"]["update_interval"] == 8
     assert other["zero-offload"]["link_bytes_per_step"] == pytest.approx(
         base["zero-offload"]["link_bytes_per_step"] / 2, abs=1)
+    # a reselection every window drains the host job every window: a slower step
+    assert cli.main(args + ["--update-interval", "4", "--select-interval", "4"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert every["zenflow"]["settings"]["select_interval"] == 4
+    assert cli.main(args + ["--update-interval", "4", "--select-interval", "64"]) == 0
+    rare = json.loads(capsys.readouterr().out)
+    assert every["zenflow"]["step_time_s"] > rare["zenflow"]["step_time_s"]
+
+
+def test_cli_predict_dense_params_moves_the_embeddings_between_sides(capsys):
+    """The dense set (default: embed_tokens and lm_head of the preset) costs device memory
+    and saves host memory and link bytes; --dense-params with no pattern splits them; the
+    other modes offload every matrix either way."""
+    args = ["predict", "--profile", "a100-pcie4", "--model", "llama2-7b", "--json"]
+    assert cli.main(args) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--dense-params"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert tuple(dense["zenflow"]["settings"]["dense_params"]) == ("*embed*", "*lm_head*",
+                                                                  "*wte*", "*wpe*")
+    assert split["zenflow"]["settings"]["dense_params"] == []
+    assert dense["zenflow"]["device_memory_bytes"] > split["zenflow"]["device_memory_bytes"]
+    assert dense["zenflow"]["host_memory_bytes"] < split["zenflow"]["host_memory_bytes"]
+    assert dense["zenflow"]["link_bytes_per_step"] < split["zenflow"]["link_bytes_per_step"]
+    assert dense["zero-offload"] == split["zero-offload"]
 
 
 def test_cli_predict_table_and_plot(capsys, tmp_path):

@@ -7,6 +7,7 @@ that names the field and the allowed range, never later inside a step.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
@@ -24,6 +25,10 @@ DEFAULT_SELECT_INTERVAL_WINDOWS = 16  # select_interval=None -> 16 update window
 # host_lr_scale="sqrt" gives min(sqrt(n), SQRT_SCALE_CAP): sqrt of the default update_interval.
 # Uncapped, sqrt(16) = 4 diverged once in the step-size study (docs/design.md).
 SQRT_SCALE_CAP = 2.0
+# The dense set's default: embeddings and the LM head, by the names transformers, GPT-2 style
+# and most hand-written models give them (model.embed_tokens, word_embeddings, wte, wpe,
+# lm_head). The layers that infrequent updates hurt most (docs/design.md, "The dense set").
+DEFAULT_DENSE_PARAMS = ("*embed*", "*lm_head*", "*wte*", "*wpe*")
 
 
 class ConfigError(ValueError):
@@ -63,6 +68,15 @@ class ZenFlowConfig:
     min_offload_numel: int = DEFAULT_MIN_OFFLOAD_NUMEL
     """Matrix params (dim >= 2) with at least this many elements (>= 1) are split by columns;
     smaller ones and all 1-D params are device-owned entirely."""
+
+    dense_params: tuple[str, ...] = DEFAULT_DENSE_PARAMS
+    """Name patterns (``fnmatch``, case-insensitive, matched against the whole name) of
+    matrix params kept whole on the device and updated by AdamW every step, never split:
+    by default embeddings and the LM head, which deferred updates hurt most. Names come from
+    ``(name, tensor)`` pairs (``model.named_parameters()``) or a group's ``param_names``; an
+    unnamed param matches nothing. Costs device memory: their Adam moments (and an fp32
+    master for a low-precision param) live on the device (``stats()``, docs/memory.md).
+    ``()`` splits every matrix."""
 
     accumulate_on: AccumulateOn = "device"
     """Where the gradient of host-owned columns is summed over a window: "device" (one
@@ -131,6 +145,12 @@ class ZenFlowConfig:
         _check_number("warmup_steps", self.warmup_steps, int, lo=0, rng=">= 0")
         _check_number("chunk_size", self.chunk_size, int, lo=1, rng=">= 1")
         _check_number("min_offload_numel", self.min_offload_numel, int, lo=1, rng=">= 1")
+        dense = self.dense_params
+        if (isinstance(dense, (str, bytes)) or not hasattr(dense, "__iter__")
+                or not all(isinstance(x, str) and x for x in dense)):
+            raise ConfigError("dense_params must be a sequence of non-empty name patterns "
+                              f"(fnmatch, e.g. ('*embed*', '*lm_head*')), got {dense!r}")
+        object.__setattr__(self, "dense_params", tuple(dense))  # lists from JSON
         _check_choice("accumulate_on", self.accumulate_on, AccumulateOn)
         _check_choice("host_state_dtype", self.host_state_dtype, StateDtype)
         _check_choice("accumulator_dtype", self.accumulator_dtype, StateDtype)
@@ -157,6 +177,10 @@ class ZenFlowConfig:
         if self.select_interval is None:
             return DEFAULT_SELECT_INTERVAL_WINDOWS * self.update_interval
         return self.select_interval
+
+    def is_dense(self, name: str | None) -> bool:
+        """Whether a param of this name is in the dense set (``dense_params``)."""
+        return matches_any(name, self.dense_params)
 
     @property
     def effective_host_lr_scale(self) -> float:
@@ -214,6 +238,15 @@ class ZenFlowConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def matches_any(name: str | None, patterns: tuple[str, ...]) -> bool:
+    """Whether ``name`` matches one of the fnmatch ``patterns``, case-insensitively (the
+    dense set's rule; no name matches nothing)."""
+    if not name:
+        return False
+    low = name.lower()
+    return any(fnmatch.fnmatchcase(low, pat.lower()) for pat in patterns)
 
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -8,9 +8,8 @@ from typing import Callable
 
 import torch
 
-from .config import ZenFlowConfig
 from .kernels import confirm_nonfinite, nonfinite_flags
-from .partition import MATRIX, classify, splittable
+from .partition import MATRIX, splittable
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -21,9 +20,10 @@ Work = list[tuple[dict, torch.Tensor, torch.Tensor]]
 """(group, param, grad) of every param that has a gradient this step, in group order."""
 
 
-def check_params(param_groups: list[dict], config: ZenFlowConfig,
+def check_params(param_groups: list[dict], kind_of: Callable[[torch.Tensor], str],
                  name_of: Callable[[torch.Tensor], str]) -> None:
-    """TypeError / ValueError naming the first param this optimizer cannot take."""
+    """TypeError / ValueError naming the first param this optimizer cannot take
+    (``kind_of``: MATRIX or SMALL, as the optimizer classifies it)."""
     for group in param_groups:
         for p in group["params"]:
             if p.is_complex():
@@ -38,7 +38,7 @@ def check_params(param_groups: list[dict], config: ZenFlowConfig,
                     f"{name_of(p)} is a DTensor (FSDP2's fully_shard or tensor parallelism); "
                     "ZenFlowOptimizer supports replicated params (DDP) only: it shards the "
                     "host work across ranks itself")
-            if classify(p, config) == MATRIX and not splittable(p):
+            if kind_of(p) == MATRIX and not splittable(p):
                 raise ValueError(
                     f"{name_of(p)} has strides {p.stride()}, in which its rows (dim 0) are "
                     "not the outermost dim of a dense layout; column-split params need one "

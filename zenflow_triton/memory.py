@@ -4,17 +4,18 @@ the link; changes nothing."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from .config import ZenFlowConfig
-from .partition import MATRIX, SMALL, classify, state_side
+from .partition import MATRIX, SMALL, state_side
 
 
 def device_owned_fraction(params: Iterable[torch.Tensor], state: dict,
-                          config: ZenFlowConfig) -> float:
-    """The share of trainable elements updated on the device every step."""
+                          kind_of: Callable[[torch.Tensor], str]) -> float:
+    """The share of trainable elements updated on the device every step (``kind_of``: the
+    optimizer's classification, for params without state yet)."""
     dev = total = 0
     for p in params:
         if not p.requires_grad:
@@ -23,7 +24,7 @@ def device_owned_fraction(params: Iterable[torch.Tensor], state: dict,
         st = state.get(p)
         if isinstance(st, dict) and st.get("kind") == MATRIX:
             dev += st["device_idx"].numel() * p.shape[0]
-        elif classify(p, config) == SMALL:
+        elif kind_of(p) == SMALL:
             dev += p.numel()
     return dev / total if total else 0.0
 

@@ -82,7 +82,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self._check_hyper()
-        check_params(self.param_groups, self.config, self._param_name)
+        check_params(self.param_groups, self._kind, self._param_name)
         self._backend = resolve_backend(self.config.backend, self._params())
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
@@ -128,6 +128,16 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         """Every param, in state-dict index order."""
         return [p for g in self.param_groups for p in g["params"]]
+
+    def _kind(self, p: torch.Tensor) -> str:
+        """MATRIX (split by columns) or SMALL (whole on the device): by shape, and by name
+        for the dense set (``ZenFlowConfig.dense_params``)."""
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return classify(p, self.config, names[pi] if names else None)
+        return classify(p, self.config)
 
     def _param_name(self, p: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -213,7 +223,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             if not st:
                 self.state[p] = (init_matrix_state(p, self.link, self.config.host_moment_dtype,
                                                    self._shard.rows(p.shape[0]))
-                                 if classify(p, self.config) == MATRIX else init_small_state(p))
+                                 if self._kind(p) == MATRIX else init_small_state(p))
             elif misplaced(p, st):
                 self._rehome(p, st)
         return work
@@ -335,7 +345,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                     bytes_device_to_host=self.link.bytes_d2h,
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=device_owned_fraction(self._params(), self.state,
-                                                                self.config),
+                                                                self._kind),
                     host_staging_bytes=self._pipeline.staging_bytes(),
                     **memory_bytes(self.state, self.config,
                                    [d for _, d in self._dev.index_cache.values()],
@@ -425,7 +435,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         loaded = read(state_dict, self.param_groups, self.config, self._shard.rows,
-                      self._param_name)
+                      self._param_name, self._kind)
         self._check_hyper(loaded.groups, "state_dict param group")
         changed = None if loaded.adamw else config_change(loaded.meta.get("config"),
                                                            self.config)

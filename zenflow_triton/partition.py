@@ -30,9 +30,13 @@ MATRIX = "matrix"
 SMALL = "small"
 
 
-def classify(p: torch.Tensor, cfg: ZenFlowConfig) -> str:
-    """MATRIX params are split by columns; SMALL ones are device-owned entirely."""
-    return MATRIX if p.dim() >= 2 and p.numel() >= cfg.min_offload_numel else SMALL
+def classify(p: torch.Tensor, cfg: ZenFlowConfig, name: str | None = None) -> str:
+    """MATRIX params are split by columns; SMALL ones are device-owned entirely: 1-D params,
+    matrices under ``min_offload_numel`` elements, and the dense set (a param whose ``name``
+    matches ``dense_params``)."""
+    if p.dim() < 2 or p.numel() < cfg.min_offload_numel or cfg.is_dense(name):
+        return SMALL
+    return MATRIX
 
 
 def shape2d(p: torch.Tensor) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .config import ZenFlowConfig
-from .partition import MATRIX, SMALL, classify, moment_scales, shape2d, state_side, view2d
+from .partition import MATRIX, SMALL, moment_scales, shape2d, state_side, view2d
 from .shard import ROW_SHARDED
 from .transfer import to_host_memory
 
@@ -128,7 +128,7 @@ def check_param_state(label: str, p: torch.Tensor, saved: Any, kind: str,
         raise ValueError(f"state for {label} has unknown kind {got!r}")
     if got != kind:
         raise ValueError(f"state for {label} is of kind {got!r}, but this optimizer treats "
-                         f"the param as {kind!r} (different shape or min_offload_numel?)")
+                         f"the param as {kind!r} (different shape, min_offload_numel or dense_params?)")
     where = f"state for {label}"
     if kind == SMALL:
         _as_int(f"{where}: step", saved.get("step"))
@@ -326,10 +326,12 @@ class Loaded:
 
 def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
          rows_of: Callable[[int], tuple[int, int]],
-         name_of: Callable[[torch.Tensor], str]) -> Loaded:
+         name_of: Callable[[torch.Tensor], str],
+         kind_of: Callable[[torch.Tensor], str]) -> Loaded:
     """Check ``state_dict`` (ours, or torch.optim.AdamW's) against this optimizer's groups
     and params and build the state to hold, raising ValueError before anything is
-    applied. ``rows_of(total)``: this rank's rows of a host half of ``total`` rows."""
+    applied. ``rows_of(total)``: this rank's rows of a host half of ``total`` rows;
+    ``kind_of(p)``: MATRIX or SMALL, as this optimizer classifies ``p``."""
     if "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state_dict: missing 'state' or 'param_groups'")
     saved_groups = state_dict["param_groups"]
@@ -355,7 +357,7 @@ def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
             state[key] = saved  # not a param's: kept as it is (as torch does)
             continue
         p = id_map[key]
-        kind = classify(p, config)
+        kind = kind_of(p)
         rows = rows_of(view2d(p).shape[0]) if kind == MATRIX else (0, 0)
         if adamw:
             saved = from_adamw(p, saved, kind, rows, name_of(p))

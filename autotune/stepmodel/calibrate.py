@@ -33,7 +33,8 @@ def calibration(**overrides: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]
     hw = Hardware.from_profile(a["profile"])
     wl = Workload.from_preset(a["model"], tokens=a["tokens"], seq_len=a["seq_len"], mfu=a["mfu"])
     preds = predict_all(hw, wl, gpus=a["gpus"], topk_ratio=a["topk_ratio"],
-                        update_interval=a["update_interval"], accumulate_on=a["accumulate_on"])
+                        update_interval=a["update_interval"], accumulate_on=a["accumulate_on"],
+                        dense_params=())  # DeepSpeed's ZenFlow splits every matrix
     n = a["gpus"]
     model_bytes = wl.numel * wl.param_bytes
     zo, zf, ad = preds["zero-offload"], preds["zenflow"], preds["adamw"]

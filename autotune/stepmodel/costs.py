@@ -26,7 +26,8 @@ class _Costs:
     R: float                        # host AdamW elements/s for this process
 
 
-def _costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int) -> _Costs:
+def _costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
+           dense_params: tuple[str, ...] = ()) -> _Costs:
     hw.require_device()
     peak = hw.device_flops if wl.dtype != "float32" else (hw.device_flops_fp32
                                                            or hw.device_flops)
@@ -37,9 +38,9 @@ def _costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int) -> _Co
         c = layer.flops_per_token * wl.tokens / rate
         fwd.append(c / 3.0)
         bwd.append(c * 2.0 / 3.0)
-        m = sum(p.numel for p in layer.params if p.is_matrix(min_offload_numel))
-        matrix.append(float(m))
-        small += sum(p.numel for p in layer.params if not p.is_matrix(min_offload_numel))
+        split = [p.is_matrix(min_offload_numel, dense_params) for p in layer.params]
+        matrix.append(float(sum(p.numel for p, s in zip(layer.params, split) if s)))
+        small += sum(p.numel for p, s in zip(layer.params, split) if not s)
     return _Costs(gpus, tuple(fwd), tuple(bwd), tuple(matrix), float(small), float(wl.numel),
                   wl.param_bytes, hw.device_memory_bandwidth, hw.link_bandwidth,
                   hw.host_rate(gpus))

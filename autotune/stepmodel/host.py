@@ -18,5 +18,5 @@ def host_update_seconds(hw: Hardware, wl: Workload, *, gpus: int = 1, config: An
     works), so it can be checked against a measured host update on any machine."""
     cfg = zenflow_config(config, **settings)
     e_host = sum(p.shape[0] * (p.cols - _k(cfg.topk_ratio, p.cols)) for p in wl.params
-                 if p.is_matrix(cfg.min_offload_numel))
+                 if p.is_matrix(cfg.min_offload_numel, cfg.dense_params))
     return e_host / gpus / hw.host_rate(gpus)

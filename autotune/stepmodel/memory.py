@@ -37,7 +37,7 @@ def _memory(mode: str, wl: Workload, c: _Costs, cfg: Any, threads: int) -> dict[
         e_dev = e_host = 0.0
         idx = 0.0
         for p in wl.params:
-            if not p.is_matrix(cfg.min_offload_numel):
+            if not p.is_matrix(cfg.min_offload_numel, cfg.dense_params):
                 continue
             k = _k(cfg.topk_ratio, p.cols)
             rows = p.shape[0]

@@ -119,7 +119,7 @@ def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     a = _DTYPE_BYTES[cfg.accumulator_dtype]
     e_dev = e_host = 0.0
     for p in wl.params:
-        if p.is_matrix(cfg.min_offload_numel):
+        if p.is_matrix(cfg.min_offload_numel, cfg.dense_params):
             k = _k(cfg.topk_ratio, p.cols)
             e_dev += p.shape[0] * k
             e_host += p.shape[0] * (p.cols - k)

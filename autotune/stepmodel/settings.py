@@ -26,7 +26,8 @@ def zenflow_config(config: Any = None, **overrides: Any):
 
 
 _SETTING_KEYS = ("topk_ratio", "update_interval", "select_interval", "overlap", "accumulate_on",
-                 "accumulator_dtype", "host_state_dtype", "min_offload_numel", "host_threads")
+                 "accumulator_dtype", "host_state_dtype", "min_offload_numel", "host_threads",
+                 "dense_params")
 
 
 def _k(topk_ratio: float, cols: int) -> int:

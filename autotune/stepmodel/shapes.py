@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zenflow_triton.config import matches_any
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -22,9 +24,11 @@ class ParamSpec:
         """Columns of the optimizer's 2-D view [shape[0], numel // shape[0]]."""
         return self.numel // self.shape[0] if self.shape and self.shape[0] else 0
 
-    def is_matrix(self, min_offload_numel: int) -> bool:
-        """Split by columns (else: device-owned, like 1-D params), as partition.py decides."""
-        return len(self.shape) >= 2 and self.numel >= min_offload_numel
+    def is_matrix(self, min_offload_numel: int, dense_params: tuple[str, ...] = ()) -> bool:
+        """Split by columns (else: device-owned, like 1-D params), as partition.py decides:
+        ``dense_params`` are ZenFlow's dense set (name patterns kept whole on the device)."""
+        return (len(self.shape) >= 2 and self.numel >= min_offload_numel
+                and not matches_any(self.name, dense_params))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
         raise StepModelError(f"gpus must be an int >= 1, got {gpus!r}")
     cfg = zenflow_config(config, **settings)
     K = window_steps or cfg.update_interval
-    c = _costs(hw, wl, gpus, cfg.min_offload_numel)
+    # ZenFlow keeps its dense set whole on the device; the other modes offload every matrix.
+    c = _costs(hw, wl, gpus, cfg.min_offload_numel,
+               cfg.dense_params if mode == "zenflow" else ())
     procs = hw.processes_per_host(gpus)
     threads = cfg.host_threads or (max(1, hw.host_cores // procs) if hw.host_cores
                                    else DEFAULT_HOST_CORES_PER_ACCELERATOR)
