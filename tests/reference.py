@@ -42,7 +42,7 @@ def _adaptive(w, m, v, n, j, b1, b2, lr):
 
 class ReferenceZenFlow:
     def __init__(self, param_groups, *, topk_ratio, update_interval, select_interval,
-                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale="sqrt",
+                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale="adaptive",
                  accumulate_on="device", accumulator_dtype="float32",
                  host_state_dtype="float32"):
         self.groups = param_groups

@@ -161,7 +161,7 @@ def test_load_rejects_mismatched_groups():
 
 def test_load_warns_when_the_saved_schedule_or_step_rule_differs():
     """A state saved under host_lr_scale=1.0 (the default before "sqrt") and loaded into an
-    optimizer with the new default warns, naming the field; execution-only fields (threads,
+    optimizer with today's default warns, naming the field; execution-only fields (threads,
     chunk size) and an unchanged config do not."""
     import warnings
 
@@ -171,7 +171,7 @@ def test_load_warns_when_the_saved_schedule_or_step_rule_differs():
     sd = roundtrip(old.state_dict())
     old.close()
     new = ZenFlowOptimizer(param_groups(model), lr=1e-3)
-    with pytest.warns(UserWarning, match=r"host_lr_scale: 1\.0 -> 'sqrt'") as rec:
+    with pytest.warns(UserWarning, match=r"host_lr_scale: 1\.0 -> 'adaptive'") as rec:
         new.load_state_dict(sd)
     assert len(rec) == 1 and "chunk_size" not in str(rec[0].message)
     new.close()
@@ -230,8 +230,9 @@ def test_a_state_dict_saved_by_an_earlier_version_loads():
                        weights_only=True)
     model = make_model()
     model.load_state_dict(saved["model"])
+    # that code's default step rule ("sqrt"; "adaptive" since 2026-12-05)
     opt = ZenFlowOptimizer(param_groups(model), topk_ratio=0.2, update_interval=4,
-                           select_interval=8, min_offload_numel=64)
+                           select_interval=8, min_offload_numel=64, host_lr_scale="sqrt")
     opt.load_state_dict(saved["opt"])
     assert opt.stats()["steps"] == 14
     assert any(st.get("host_pending") for st in opt.state.values())

@@ -212,7 +212,9 @@ def test_host_scale_follows_the_window_gradient_count(rule, interval, moves):
 
 # ------------------------------------------------------------------ against the reference
 SCHEDULES = [
-    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True),
+    # "sqrt" below its cap (sqrt(4) = 2); the reference's default is the library's
+    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
+         host_lr_scale="sqrt"),
     dict(topk_ratio=0.1, update_interval=3, select_interval=6, overlap=False,
          host_lr_scale="auto"),
     dict(topk_ratio=0.3, update_interval=2, select_interval=4, overlap=True, warmup_steps=5),
@@ -221,11 +223,11 @@ SCHEDULES = [
     # ZenFlow's and DeepSpeed's semantics: one ordinary step per window
     dict(topk_ratio=0.2, update_interval=3, select_interval=6, overlap=True, warmup_steps=2,
          host_lr_scale=1.0),
-    # the default "sqrt" rule at its cap (sqrt(8) > 2)
-    dict(topk_ratio=0.2, update_interval=8, select_interval=8, overlap=True),
-    # the adaptive rule: the job reads the host moments before each host step
-    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
-         host_lr_scale="adaptive"),
+    # the "sqrt" rule at its cap (sqrt(8) > 2)
+    dict(topk_ratio=0.2, update_interval=8, select_interval=8, overlap=True,
+         host_lr_scale="sqrt"),
+    # the adaptive rule, the default: the job reads the host moments before each host step
+    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True),
     # every column host-owned, synchronous: the job streams the accumulator piece by piece
     # and writes the params itself
     dict(topk_ratio=0.0, update_interval=2, select_interval=4, overlap=False),

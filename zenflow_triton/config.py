@@ -106,19 +106,19 @@ class ZenFlowConfig:
     """CPU cores the host AdamW threads are pinned to, e.g. cores the training loop does not
     use (Linux); None = no pinning (default). Never fatal: unusable cores only warn."""
 
-    host_lr_scale: Union[float, Literal["auto", "sqrt", "adaptive"]] = "sqrt"
+    host_lr_scale: Union[float, Literal["auto", "sqrt", "adaptive"]] = "adaptive"
     """Host learning-rate multiplier of a window after warm-up, for a param that accumulated
-    n gradients in it (n = update_interval for a full window). "sqrt" (the default):
-    min(sqrt(n), SQRT_SCALE_CAP = 2), which is as far as AdamW travels when gradient noise
-    dominates the step (fine-tuning), and never farther; the step-size study chose it
-    (docs/design.md, "The host step size"). "auto": n, as far as AdamW travels when the
-    gradient is steady; it overshoots and diverged at long windows in that study.
-    "adaptive": between sqrt(n) and n by the signal fraction of the window mean, estimated
-    per param from its host moments before each host step, and at most what keeps one host
-    step within 1% of the weights' RMS, never below 1 (``host.step_size``; 1 when n = 1). A number
-    x > 0: x for every window; 1.0 is ZenFlow's and DeepSpeed's semantics (one ordinary AdamW
-    step per window), which lags AdamW at fine-tuning learning rates. Warm-up steps are plain
-    AdamW: multiplier 1 whatever this is."""
+    n gradients in it (n = update_interval for a full window). "adaptive" (the default):
+    between sqrt(n) and n by the signal fraction of the window mean, estimated per param from
+    its host moments before each host step, and at most what keeps one host step within 1% of
+    the weights' RMS, never below 1 (``host.step_size``; 1 when n = 1): as far as n AdamW
+    steps would drift, never farther (docs/design.md, "The host step size"). "sqrt":
+    min(sqrt(n), SQRT_SCALE_CAP = 2), AdamW's travel when gradient noise dominates (the
+    default before "adaptive"). "auto": n, AdamW's travel when the gradient is steady; it
+    overshoots and diverged at long windows. A number x > 0: x for every window; 1.0 is
+    ZenFlow's and DeepSpeed's semantics (one ordinary AdamW step per window), which lags
+    AdamW at fine-tuning learning rates. Warm-up steps are plain AdamW: multiplier 1
+    whatever this is."""
 
     check_finite: bool = True
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any

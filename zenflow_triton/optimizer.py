@@ -17,8 +17,9 @@ Schedule, with t the global step (1-based) and u = t - warmup_steps:
   the host-owned columns is added to the window accumulator.
 * update boundary u % update_interval == 0: the window-mean gradient goes to the host, which
   runs AdamW on the host-owned columns at lr times the host multiplier (for the default
-  "sqrt": min(sqrt(n), 2), n the param's number of gradients in the window; 1 in warm-up,
-  which is plain AdamW; see ``ZenFlowConfig.host_lr_multiplier``). With overlap=True the result is
+  "adaptive": between sqrt(n) and n by the window's signal fraction, n the param's number
+  of gradients in the window, resolved by the host job; 1 in warm-up, which is plain AdamW;
+  see ``ZenFlowConfig.host_lr_scale``). With overlap=True the result is
   written into the param at the next boundary, with overlap=False at once. The apply point is
   fixed by the step count, never by thread timing, so training is bit-for-bit reproducible.
 
