@@ -19,20 +19,30 @@ import torch
 
 from zenflow_triton import ZenFlowOptimizer
 
+# Each entry names what it ran, so rows in a JSON stay reproducible when defaults change:
+# the rows made before the dense set existed split every matrix (dense_params=()).
+_SPLIT = dict(dense_params=())
+_AGGRESSIVE = dict(topk_ratio=0.02, update_interval=8)
 OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "adamw": None,  # torch.optim.AdamW
-    "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap=False),
-    "zenflow": {},  # the shipped defaults
-    "zenflow-aggressive": dict(topk_ratio=0.02, update_interval=8),
+    "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap=False, **_SPLIT),
+    "zenflow": dict(host_lr_scale="sqrt", **_SPLIT),  # the defaults of 2026-12-03/04
+    "zenflow-aggressive": dict(host_lr_scale="sqrt", **_AGGRESSIVE, **_SPLIT),
     # not in the study's default list: the defaults and aggressive with the other step-size
     # rules (1: ZenFlow's and DeepSpeed's semantics, the default before the study; n: "auto")
-    "zenflow-scale-1": dict(host_lr_scale=1.0),
-    "zenflow-aggressive-scale-1": dict(topk_ratio=0.02, update_interval=8, host_lr_scale=1.0),
-    "zenflow-scale-n": dict(host_lr_scale="auto"),
+    "zenflow-scale-1": dict(host_lr_scale=1.0, **_SPLIT),
+    "zenflow-aggressive-scale-1": dict(host_lr_scale=1.0, **_AGGRESSIVE, **_SPLIT),
+    "zenflow-scale-n": dict(host_lr_scale="auto", **_SPLIT),
     # the adaptive rule (host.step_size): between sqrt(n) and n by the window's signal fraction
-    "zenflow-adaptive": dict(host_lr_scale="adaptive"),
-    "zenflow-aggressive-adaptive": dict(topk_ratio=0.02, update_interval=8,
-                                        host_lr_scale="adaptive"),
+    "zenflow-adaptive": dict(host_lr_scale="adaptive", **_SPLIT),
+    "zenflow-aggressive-adaptive": dict(host_lr_scale="adaptive", **_AGGRESSIVE, **_SPLIT),
+    # the dense set (embeddings and the LM head whole on the device, AdamW every step)
+    "zenflow-dense": dict(host_lr_scale="sqrt"),
+    "zenflow-adaptive-dense": dict(host_lr_scale="adaptive"),
+    "zenflow-aggressive-adaptive-dense": dict(host_lr_scale="adaptive", **_AGGRESSIVE),
+    # ... and a reselection every second window (instead of every 16th)
+    "zenflow-aggressive-adaptive-dense-sel2": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
+                                                   select_interval=16),
 }
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 
@@ -49,8 +59,10 @@ def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
     ones, the loss before training, wall seconds and, for ZenFlow, host windows run."""
     model = job.model
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, lr, zenflow)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    # ZenFlow gets the names (its dense set is chosen by name); AdamW the tensors
+    opt = make_optimizer(params if zenflow is None else named, lr, zenflow)
     warm = max(1, int(0.1 * steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     curve = [dict(step=0, **job.evaluate(model))]

