@@ -71,15 +71,17 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=4)
-    ap.add_argument("--host-lr-scale", default="sqrt",
-                    help='"sqrt" (the default: sqrt(update_interval), at most 2), "auto" '
-                         '(= update_interval; overshoots at long windows, docs/design.md) or a '
-                         'number (1.0: ZenFlow/DeepSpeed semantics)')
+    ap.add_argument("--host-lr-scale", default="adaptive",
+                    help='"adaptive" (the default: between sqrt(update_interval) and '
+                         'update_interval by the window\'s signal fraction), "sqrt" '
+                         '(sqrt(update_interval), at most 2), "auto" (= update_interval; '
+                         'overshoots at long windows, docs/design.md) or a number (1.0: '
+                         'ZenFlow/DeepSpeed semantics)')
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     setup = tinylm_setup if args.model == "tinylm" else smollm2_setup
     lr = args.lr or (3e-3 if args.model == "tinylm" else 2e-5)
-    host_lr_scale = args.host_lr_scale if args.host_lr_scale in ("auto", "sqrt") \
+    host_lr_scale = args.host_lr_scale if args.host_lr_scale in ("auto", "sqrt", "adaptive") \
         else float(args.host_lr_scale)
     model0, batches, loss_fn, heldout = setup(args)
     init = copy.deepcopy(model0.state_dict())
@@ -88,7 +90,8 @@ def main(argv=None):
     results = {}
     for name, make_opt in [
         ("AdamW", lambda m: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01)),
-        ("ZenFlow", lambda m: ZenFlowOptimizer(m.parameters(), lr=lr, weight_decay=0.01,
+        # named params: the dense set (embeddings, LM head) is chosen by name
+        ("ZenFlow", lambda m: ZenFlowOptimizer(m.named_parameters(), lr=lr, weight_decay=0.01,
                                                topk_ratio=args.topk_ratio,
                                                update_interval=args.update_interval,
                                                host_lr_scale=host_lr_scale)),
