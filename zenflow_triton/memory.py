@@ -15,16 +15,17 @@ from .partition import MATRIX, SMALL, state_side
 def device_owned_fraction(params: Iterable[torch.Tensor], state: dict,
                           kind_of: Callable[[torch.Tensor], str]) -> float:
     """The share of trainable elements updated on the device every step (``kind_of``: the
-    optimizer's classification, for params without state yet)."""
+    optimizer's classification, asked only for params without state yet)."""
     dev = total = 0
     for p in params:
         if not p.requires_grad:
             continue
         total += p.numel()
         st = state.get(p)
-        if isinstance(st, dict) and st.get("kind") == MATRIX:
-            dev += st["device_idx"].numel() * p.shape[0]
-        elif kind_of(p) == SMALL:
+        kind = st.get("kind") if isinstance(st, dict) and "kind" in st else kind_of(p)
+        if kind == MATRIX:
+            dev += st["device_idx"].numel() * p.shape[0] if st else 0
+        elif kind == SMALL:
             dev += p.numel()
     return dev / total if total else 0.0
 

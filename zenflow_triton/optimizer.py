@@ -130,24 +130,29 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         """Every param, in state-dict index order."""
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _kind(self, p: torch.Tensor) -> str:
-        """MATRIX (split by columns) or SMALL (whole on the device): by shape, and by name
-        for the dense set (``ZenFlowConfig.dense_params``)."""
-        for group in self.param_groups:
-            names = group.get("param_names")
-            for pi, q in enumerate(group["params"]):
-                if q is p:
-                    return classify(p, self.config, names[pi] if names else None)
-        return classify(p, self.config)
-
-    def _param_name(self, p: torch.Tensor) -> str:
+    def _where(self, p: torch.Tensor) -> tuple[int, int, str | None] | None:
+        """(group index, index in the group, the param's name or None), or None for a
+        param this optimizer does not hold."""
         for gi, group in enumerate(self.param_groups):
             for pi, q in enumerate(group["params"]):
                 if q is p:
                     names = group.get("param_names")
-                    label = f"'{names[pi]}'" if names else f"param {pi} of group {gi}"
-                    return f"{label} (shape {tuple(p.shape)}, {p.dtype})"
-        return f"param of shape {tuple(p.shape)}"
+                    return gi, pi, names[pi] if names else None
+        return None
+
+    def _kind(self, p: torch.Tensor) -> str:
+        """MATRIX (split by columns) or SMALL (whole on the device): by shape, and by name
+        for the dense set (``ZenFlowConfig.dense_params``)."""
+        where = self._where(p)
+        return classify(p, self.config, where[2] if where else None)
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        where = self._where(p)
+        if where is None:
+            return f"param of shape {tuple(p.shape)}"
+        gi, pi, name = where
+        label = f"'{name}'" if name else f"param {pi} of group {gi}"
+        return f"{label} (shape {tuple(p.shape)}, {p.dtype})"
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()

@@ -128,7 +128,8 @@ def check_param_state(label: str, p: torch.Tensor, saved: Any, kind: str,
         raise ValueError(f"state for {label} has unknown kind {got!r}")
     if got != kind:
         raise ValueError(f"state for {label} is of kind {got!r}, but this optimizer treats "
-                         f"the param as {kind!r} (different shape, min_offload_numel or dense_params?)")
+                         f"the param as {kind!r} (different shape, min_offload_numel or "
+                         "dense_params?)")
     where = f"state for {label}"
     if kind == SMALL:
         _as_int(f"{where}: step", saved.get("step"))
