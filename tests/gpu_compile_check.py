@@ -66,15 +66,15 @@ KERNELS = [  # (kernel, constexprs given the param dtype[, pointer types overrid
      lambda pd: dict(HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
     (adamw._adamw_kernel, lambda pd: dict(HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK=2048)),
     (selective_adamw_multi._selective_adamw_accumulate_kernel,
-     lambda pd: dict(W=16, SEARCH=3, HAS_MASTER=pd != "fp32", ACC_BF16=False, SOFT_BF16=False,
+     lambda pd: dict(W=16, SEARCH=8, HAS_MASTER=pd != "fp32", ACC_BF16=False, SOFT_BF16=False,
                      BLOCK_R=32, BLOCK_K=64)),
     (selective_adamw_multi._selective_adamw_accumulate_kernel,
-     lambda pd: dict(W=16, SEARCH=3, HAS_MASTER=pd != "fp32", ACC_BF16=True, SOFT_BF16=False,
+     lambda pd: dict(W=16, SEARCH=8, HAS_MASTER=pd != "fp32", ACC_BF16=True, SOFT_BF16=False,
                      BLOCK_R=32, BLOCK_K=64)),
     (adamw._adamw_multi_kernel,
-     lambda pd: dict(W=6, SEARCH=3, HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK=2048)),
+     lambda pd: dict(W=6, SEARCH=8, HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK=2048)),
     (scatter_multi._scatter_columns_multi_kernel,
-     lambda pd: dict(W=9, SEARCH=3, SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
+     lambda pd: dict(W=9, SEARCH=8, SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
 ]
 
 

@@ -30,7 +30,7 @@ except ImportError as e:  # no Triton: the table helpers below still work
 @triton.jit
 def tensor_of(pid, cum_ptr, n_tensors, SEARCH: tl.constexpr):
     """The row i of the tensor that program ``pid`` works on: the largest i < n_tensors with
-    cum[i] <= pid (cum[0] = 0, non-decreasing), in SEARCH = bit_length(n_tensors) halvings;
+    cum[i] <= pid (cum[0] = 0, non-decreasing), in SEARCH >= bit_length(n_tensors) halvings;
     and pid's tile number within that tensor."""
     lo = pid * 0  # int64 zero
     hi = lo + n_tensors
@@ -43,8 +43,14 @@ def tensor_of(pid, cum_ptr, n_tensors, SEARCH: tl.constexpr):
 
 
 def search_steps(n_tensors: int) -> int:
-    """The constexpr SEARCH of :func:`tensor_of` for a table of ``n_tensors`` rows."""
-    return max(1, int(n_tensors).bit_length())
+    """The constexpr SEARCH of :func:`tensor_of` for a table of ``n_tensors`` rows: enough
+    halvings (``bit_length(n_tensors)``), rounded up to a multiple of 4 and at least 8.
+
+    SEARCH is compiled in, and a launch's table length changes with the params that have
+    work (columns to move, a param added): rounding keeps the compiled variants to one per
+    size class (8 covers up to 255 tensors a launch) instead of one per count. Extra
+    halvings are harmless: once ``hi = lo + 1`` the search stays put (``mid = lo``)."""
+    return max(8, -(-int(n_tensors).bit_length() // 4) * 4)
 
 
 def to_device_table(rows: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ except ImportError as e:  # no Triton: the reference below still works
     triton.error = e
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # n: the host columns' count, varies
 def _accumulate_columns_kernel(
     acc_ptr, g_ptr, idx_ptr,
     rows, n, stride_ar, stride_ac, stride_gr, stride_gc,
@@ -62,7 +62,7 @@ def accumulate_columns(acc: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
     rows = g2d.shape[0]
     if rows == 0:
         return
-    block_r, block_k, num_warps = _launch.tile_2d(rows, n)
+    block_r, block_k, num_warps = _launch.tile_2d(rows, g2d.shape[1])  # by shape, not n
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(n, block_k),)
     with _launch.launching(_accumulate_columns_kernel, acc):
         wrap_triton(_accumulate_columns_kernel)[grid](

@@ -46,7 +46,7 @@ def _adamw_kernel(
                 HAS_MASTER, SOFT_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tensors"])
 def _adamw_multi_kernel(
     meta_ptr, cum_ptr, hyper_ptr, n_tensors,
     p_like_ptr, g_like_ptr,  # the element types of the params and grads of this launch

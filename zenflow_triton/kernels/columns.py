@@ -53,7 +53,7 @@ def column_tile(pid, rows, k, idx_ptr, BLOCK_R: tl.constexpr, BLOCK_K: tl.conste
     return offs_r, offs_k, cols, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k"])  # k: how many columns move, varies
 def _gather_columns_kernel(
     src_ptr, idx_ptr, out_ptr,
     rows, k, stride_sr, stride_sc,
@@ -68,7 +68,7 @@ def _gather_columns_kernel(
              cast_rtne(x, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k", "stride_sr"])  # src is [rows, k]: its row stride is k
 def _scatter_columns_kernel(
     dst_ptr, idx_ptr, src_ptr,
     rows, k, stride_dr, stride_dc, stride_sr, stride_sc,
@@ -105,7 +105,7 @@ def gather_columns(src2d: torch.Tensor, idx: torch.Tensor,
     out = torch.empty(rows, k, dtype=dtype or src2d.dtype, device=src2d.device)
     if rows == 0 or k == 0:
         return out
-    block_r, block_k, num_warps = _launch.tile_2d(rows, k)
+    block_r, block_k, num_warps = _launch.tile_2d(rows, src2d.shape[1])  # by shape, not k
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k),)
     with _launch.launching(_gather_columns_kernel, src2d):
         wrap_triton(_gather_columns_kernel)[grid](
@@ -129,7 +129,7 @@ def scatter_columns(dst2d: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -
         raise ValueError(f"src must have shape [{rows}, {k}], got {tuple(src.shape)}")
     if rows == 0:
         return
-    block_r, block_k, num_warps = _launch.tile_2d(rows, k)
+    block_r, block_k, num_warps = _launch.tile_2d(rows, dst2d.shape[1])  # by shape, not k
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k),)
     with _launch.launching(_scatter_columns_kernel, dst2d):
         wrap_triton(_scatter_columns_kernel)[grid](

@@ -27,7 +27,7 @@ except ImportError as e:  # no Triton: the reference below still works
 _W = 9  # dst, idx, src addresses; rows, k; dst row/col strides; src row/col strides
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tensors"])
 def _scatter_columns_multi_kernel(
     meta_ptr, cum_ptr, n_tensors,
     dst_like_ptr, src_like_ptr,  # the element types of this launch's destinations and sources
@@ -67,8 +67,10 @@ def scatter_columns_multi(dst2ds: Sequence[torch.Tensor], idxs: Sequence[torch.T
         if idx.numel() and dst.shape[0]:
             groups.setdefault((dst.device, dst.dtype, src.dtype), []).append(i)
     for (device, _, _), members in groups.items():
+        # Tiles by the destinations' shapes, not by how many columns move (which varies
+        # from one reselection to the next and would compile a new variant each time).
         block_r, block_k, num_warps = _launch.tile_2d(max(dst2ds[i].shape[0] for i in members),
-                                                      max(idxs[i].numel() for i in members))
+                                                      max(dst2ds[i].shape[1] for i in members))
         meta, tiles = [], []
         for i in members:
             dst, idx, src = dst2ds[i], idxs[i], srcs[i]

@@ -73,7 +73,7 @@ def adamw_block(p_ptrs, g, m_ptrs, v_ptrs, master_ptrs, mask,
     tl.store(p_ptrs, cast_rtne(w, p_ptrs.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k"])
 def _selective_adamw_kernel(
     p_ptr, g_ptr, idx_ptr, m_ptr, v_ptr, master_ptr,
     rows, k,
@@ -136,7 +136,7 @@ def selective_adamw_scalars(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Ten
         _check_state(name, t, rows, k, p2d.device)
     if rows == 0:
         return
-    block_r, block_k, num_warps = _launch.tile_2d(rows, k)
+    block_r, block_k, num_warps = _launch.tile_2d(rows, p2d.shape[1])  # by shape, not k
     grid = (_launch.cdiv(rows, block_r) * _launch.cdiv(k, block_k),)
     with _launch.launching(_selective_adamw_kernel, p2d):
         wrap_triton(_selective_adamw_kernel)[grid](
