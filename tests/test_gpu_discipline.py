@@ -312,3 +312,38 @@ def entries(self, p, g, *args, **kwargs):
         for t in (STEADY, APPLY, RESELECT):
             want = {**EXPECTED["overlap"][t], ".to(host)": n}
             assert counts[t].kinds() == want, (n, t, counts[t].sync_sites)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason=triton_available()[1])
+def test_address_tables_travel_only_when_the_tensors_change():
+    """The multi-tensor launches' address tables (``kernels._multi.tables``) are cached by
+    content: with gradients written in place (``zero_grad(set_to_none=False)``), a step
+    that neither reselects nor applies a window sends none, while each launch still sends its
+    per-tensor scalars; a reselection (new index sets) sends new ones."""
+    from zenflow_triton.kernels import _multi
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    sent = {}
+    with ZenFlowOptimizer(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2,
+                          select_interval=4, min_offload_numel=64, backend="triton") as opt:
+        for t in range(1, 12):
+            for p in model.parameters():
+                p.grad.copy_(torch.randn(p.shape, generator=gen))
+            before = dict(_multi.UPLOADS)
+            refreshes = opt.stats()["selection_refreshes"]
+            opt.step()
+            reselected = opt.stats()["selection_refreshes"] > refreshes
+            sent[t] = ({k: _multi.UPLOADS[k] - before.get(k, 0) for k in ("rows", "hyper")},
+                       reselected)
+    # t = 1, 5, 9 reselect; t = 4, 8 apply the first window after one (new host columns).
+    for t, (d, reselected) in sent.items():
+        assert d["hyper"] == 2, (t, d)  # the matrices' launch and the small params' launch
+        if reselected:
+            assert d["rows"] > 0, (t, d)
+        elif t % 4 != 0:
+            assert d["rows"] == 0, (t, sent)
+    assert [t for t, (_, r) in sent.items() if r] == [1, 5, 9], sent

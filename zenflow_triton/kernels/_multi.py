@@ -5,8 +5,10 @@ fields per tensor (addresses, sizes, strides) and the cumulative count of tiles 
 tensor. Program ``pid`` finds its tensor by a binary search over that count
 (:func:`tensor_of`), then loads the row and casts the addresses to typed pointers. So the
 number of launches per step depends on the param groups and dtypes, not on the params, and
-a launch costs one small host-to-device copy of its tables (non-blocking from pinned
-memory on CUDA) instead of a custom-op dispatch per tensor.
+a launch costs at most one small host-to-device copy of its tables (non-blocking from
+pinned memory on CUDA) instead of a custom-op dispatch per tensor. The address tables are
+cached by content (:func:`tables`): a steady step, whose tensors and index sets are the
+ones of the step before, uploads only its per-tensor scalars.
 
 No Triton import at module level beyond the guarded one: the table building is plain
 Python/numpy, usable without Triton.
@@ -14,6 +16,8 @@ Python/numpy, usable without Triton.
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -72,14 +76,43 @@ def cumulative(tiles: Sequence[int]) -> np.ndarray:
     return out
 
 
+_CACHE_SIZE = 64
+_cache: "collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = \
+    collections.OrderedDict()
+_cache_lock = threading.Lock()
+UPLOADS: "collections.Counter[str]" = collections.Counter()
+"""Tables sent to a device, by kind ("rows": an address table and its tile counts, built
+anew; "hyper": per-tensor scalars). Only grows: tests read differences."""
+
+
 def tables(rows: Sequence[Sequence[int]], tiles: Sequence[int], device: torch.device,
            hyper: Sequence[float] | None = None) -> tuple[int, list[torch.Tensor]]:
     """The device tables of one multi-tensor launch, in the kernels' argument order: the
     rows (int64), the cumulative tile counts, and the per-tensor fp32 scalars when given;
-    and the launch's grid size (the total tile count)."""
+    and the launch's grid size (the total tile count).
+
+    The rows and counts are looked up by their content (device, addresses, sizes, strides,
+    tiles: no ``id()`` of a wrapper, no read of device memory) among the last
+    ``_CACHE_SIZE`` built, and sent to the device only when new: the set of tensors and
+    index sets of a launch changes at a reselection or when params are added, not on a
+    steady step. A cached table is never written, so reusing it is safe on any stream.
+    The scalars change every step (bias corrections) and always travel."""
     cum = cumulative(tiles)
-    out = [to_device_table(np.asarray(rows, dtype=np.int64), device),
-           to_device_table(cum, device)]
+    meta = np.asarray(rows, dtype=np.int64)
+    key = (str(device), meta.shape, meta.tobytes(), cum.tobytes())
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+    if hit is None:
+        hit = (to_device_table(meta, device), to_device_table(cum, device))
+        UPLOADS["rows"] += 1
+        with _cache_lock:
+            _cache[key] = hit
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+    out = list(hit)
     if hyper is not None:
         out.append(to_device_table(np.asarray(hyper, dtype=np.float32), device))
+        UPLOADS["hyper"] += 1
     return int(cum[-1]), out
