@@ -5,6 +5,11 @@ tests run the kernels in Triton's interpreter, which accepts code that the compi
 (types, pointer casts, constexpr use); this catches that here. ``triton.compile`` with a
 ``GPUTarget`` needs the CUDA toolchain bundled in Triton's wheel, not a device. Prints one
 line per variant and ``compiled N of M``; exits 1 when any variant fails.
+
+Each compiled variant's Triton IR is also checked for index arithmetic that could wrap past
+2**31 (:func:`i32_products`): a param, a gradient or the arena may hold more elements than an
+int32 counts, so every product that involves a runtime size, stride or count (a kernel's
+integer argument, or anything computed from one) must be int64.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any @triton.jit runs
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from ir_checks import i32_products  # noqa: E402
 from zenflow_triton.kernels import (accumulate, adamw, column_scores, columns,  # noqa: E402
                                     scatter_multi, selective_adamw, selective_adamw_multi)
 
@@ -91,8 +98,12 @@ def main() -> int:
                  f"{' '.join(f'{k}={v}' for k, v in overrides.items())}").rstrip()
         try:
             sig = {**signature(kernel, p_dtype, g_dtype), **overrides}
-            triton.compile(ASTSource(kernel, sig, consts(p_dtype)), target=target,
-                           options={"num_warps": 4})
+            compiled = triton.compile(ASTSource(kernel, sig, consts(p_dtype)), target=target,
+                                      options={"num_warps": 4})
+            wraps = i32_products(compiled.asm["ttir"])
+            if wraps:
+                print("FAIL", label, "i32 product of a runtime size:", "; ".join(wraps))
+                continue
             done += 1
             print("ok  ", label)
         except Exception as e:  # report every variant, then fail

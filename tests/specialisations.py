@@ -51,8 +51,9 @@ def _binder(kernel: KernelInterface, backend):
 
 
 @contextlib.contextmanager
-def recording():
-    """``with recording() as rec:`` -> a :class:`Recorded` of the launches made inside."""
+def recording(dry: bool = False):
+    """``with recording() as rec:`` -> a :class:`Recorded` of the launches made inside.
+    ``dry``: record without launching (for tensors that have no memory, on ``meta``)."""
     backend = make_backend(GPUTarget("cuda", 90, 32))
     found = package_kernels()
     keys: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -67,6 +68,8 @@ def recording():
             key = (tuple(tuple(s) for s in spec), tuple(sorted(options.items())))
             keys[_name][key] += 1
             launches.append((_name, key))
+            if dry:
+                return None
             return _run(*args, grid=grid, warmup=warmup, **kwargs)
 
         saved[name] = (kernel, "run" in vars(kernel), vars(kernel).get("run"))

@@ -39,3 +39,27 @@ def test_every_kernel_compiles_for_sm90():
     fails = [line for line in out.splitlines() if line.startswith("FAIL")]
     assert proc.returncode == 0 and not fails, "\n".join(fails) or out[-4000:]
     assert "compiled 66 of 66" in out, out[-2000:]
+
+
+def test_i32_products_flags_runtime_sizes_only():
+    """The IR rule ``gpu_compile_check.py`` applies to every compiled variant: an i32
+    product of a kernel argument, or of an integer loaded from a table, is flagged (scalar
+    or tensor); one of constants and the program id only is not, nor an i64 product."""
+    from .ir_checks import i32_products
+
+    ir = """
+  tt.func public @k(%p: !tt.ptr<f32> loc("p"(#loc)), %rows: i32 loc("rows"(#loc))) {
+    %c = arith.constant 64 : i32 loc(#loc1)
+    %0 = tt.get_program_id x : i32 loc(#loc2)
+    %1 = arith.muli %0, %c : i32 loc(#loc3)
+    %2 = arith.divsi %0, %rows : i32 loc(#loc4)
+    %3 = arith.muli %2, %c : i32 loc(#loc5)
+    %4 = arith.extsi %2 : i32 to i64 loc(#loc6)
+    %5 = arith.muli %4, %4 : i64 loc(#loc7)
+    %6 = tt.load %t : !tt.ptr<i64> loc(#loc8)
+    %7 = arith.trunci %6 : i64 to i32 loc(#loc9)
+    %8 = tt.splat %7 : i32 -> tensor<64xi32> loc(#loc10)
+    %9 = arith.muli %r, %8 : tensor<64xi32> loc(#loc11)
+"""
+    assert i32_products(ir) == ["%3 = arith.muli %2, %c : i32",
+                                "%9 = arith.muli %r, %8 : tensor<64xi32>"]

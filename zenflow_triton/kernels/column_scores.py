@@ -32,7 +32,7 @@ def _column_scores_kernel(
     # Program (col block, row split): sums rows [split * rows_per_split, +rows_per_split)
     # of BLOCK_C columns and writes row `split` of out ([splits, cols], or [cols] when 1).
     pid_c = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1).to(tl.int64)  # split * rows_per_split: int64, as every index
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < cols
     col_off = offs_c.to(tl.int64) * stride_gc
@@ -51,7 +51,7 @@ def _column_scores_kernel(
             acc += g * g
     s = tl.sum(acc, axis=0)
 
-    out_ptrs = out_ptr + split.to(tl.int64) * cols + offs_c
+    out_ptrs = out_ptr + split * cols + offs_c
     if ACCUMULATE:
         s += tl.load(out_ptrs, mask=mask_c, other=0.0)
     tl.store(out_ptrs, s, mask=mask_c)

@@ -44,8 +44,9 @@ def column_tile(pid, rows, k, idx_ptr, BLOCK_R: tl.constexpr, BLOCK_K: tl.conste
     """The tile of program ``pid`` in a 1-D grid over [rows, k] (k fastest, so neighbouring
     programs share rows): row offsets, compact column offsets, the selected column indices
     ``idx[offs_k]`` (int64) and the in-bounds mask. Every column kernel starts with this."""
+    pid = pid.to(tl.int64)  # every index below in int64: a param may pass 2**31 elements
     k_blocks = tl.cdiv(k, BLOCK_K)
-    offs_r = ((pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_r = (pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < k
     mask = (offs_r < rows)[:, None] & mask_k[None, :]
