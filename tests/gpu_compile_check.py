@@ -35,6 +35,7 @@ FLOAT_ARGS = {"decay", "lerp_w", "beta2", "one_minus_beta2", "eps", "neg_step_si
               "bc2_sqrt", "scale"}
 FP32_PTRS = {"m_ptr", "v_ptr", "master_ptr", "acc_ptr", "out_ptr", "hyper_ptr"}
 I64_PTRS = {"idx_ptr", "meta_ptr", "cum_ptr"}
+I32_PTRS = {"skip_ptr"}
 
 
 def signature(fn, p_dtype: str, g_dtype: str) -> dict[str, str]:
@@ -49,6 +50,8 @@ def signature(fn, p_dtype: str, g_dtype: str) -> dict[str, str]:
             sig[name] = "*fp32"
         elif name in I64_PTRS:
             sig[name] = "*i64"
+        elif name in I32_PTRS:
+            sig[name] = "*i32"
         elif name in ("p_ptr", "p_like_ptr", "dst_ptr", "dst_like_ptr"):
             sig[name] = "*" + p_dtype
         elif name.endswith("_ptr"):  # g_ptr, g_like_ptr, src_ptr, src_like_ptr

@@ -18,6 +18,7 @@ Backend = Literal["auto", "torch", "triton"]
 Score = Literal["l2", "l1"]
 AccumulateOn = Literal["device", "host"]
 StateDtype = Literal["float32", "bfloat16"]
+FiniteCheckAt = Literal["auto", "step", "boundary"]
 
 DEFAULT_CHUNK_SIZE = 1 << 22  # 4M fp32 elements = 16 MiB per staging buffer
 DEFAULT_MIN_OFFLOAD_NUMEL = 4096
@@ -124,6 +125,16 @@ class ZenFlowConfig:
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any
     state. False: non-finite values flow into the update as in torch.optim.AdamW."""
 
+    check_finite_at: FiniteCheckAt = "auto"
+    """When the NaN/inf check is read on the host. "step": every step, at the bad step itself
+    (one host sync a step). "boundary": only at steps that wait for the device anyway (window
+    boundaries, reselections, warm-up, a param's first step) and in state_dict() and
+    synchronize(); a bad gradient at another step masks its update on the device (the
+    kernels read a device flag) and every update after it, and the next such step raises,
+    naming the step, with the step count rolled back: state as after the step before the
+    bad one. Needs backend "triton" and accumulate_on="device". "auto": "boundary" where
+    that holds and a param is on a CUDA device, else "step" (a CPU read costs nothing)."""
+
     host_timeout: float = 600.0
     """Seconds (> 0) any wait for host work may take before it raises TimeoutError."""
 
@@ -152,6 +163,10 @@ class ZenFlowConfig:
                               f"(fnmatch, e.g. ('*embed*', '*lm_head*')), got {dense!r}")
         object.__setattr__(self, "dense_params", tuple(dense))  # lists from JSON
         _check_choice("accumulate_on", self.accumulate_on, AccumulateOn)
+        _check_choice("check_finite_at", self.check_finite_at, FiniteCheckAt)
+        if self.check_finite_at == "boundary" and self.accumulate_on != "device":
+            raise ConfigError('check_finite_at="boundary" needs accumulate_on="device": a host '
+                              'accumulation cannot be masked on the device')
         _check_choice("host_state_dtype", self.host_state_dtype, StateDtype)
         _check_choice("accumulator_dtype", self.accumulator_dtype, StateDtype)
         _check_choice("score", self.score, Score)

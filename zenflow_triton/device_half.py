@@ -6,6 +6,8 @@ params). Also the device copies of the host-owned column indices, made once per 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .config import ZenFlowConfig
@@ -23,26 +25,32 @@ class DeviceHalf:
         """param -> (its host_idx, that index on the param's device); migration fills it."""
         self._empty: dict[tuple, tuple] = {}
 
-    def run(self, work, state: dict, single_step_window: bool):
+    def run(self, work, state: dict, single_step_window: bool,
+            skip_of: Callable[[torch.device], torch.Tensor | None] = lambda device: None):
         """One step's device half for ``work`` ((group, param, grad) triples). Returns
         ``(direct, to_host)``: the host columns of params whose window is this one step
         (``single_step_window``; handed to the host as they are, no accumulator), and the
-        ``(host accumulator, columns)`` pairs to add on the host (accumulate_on="host")."""
+        ``(host accumulator, columns)`` pairs to add on the host (accumulate_on="host").
+        ``skip_of(device)``: the device flag that, when set, makes the ops on that device
+        write nothing (a deferred NaN/inf check), or None."""
         direct: dict[torch.Tensor, torch.Tensor] = {}
         to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
-        by_group: dict[int, tuple[dict, list, list]] = {}
-        for group, p, g in work:
-            small, matrices = by_group.setdefault(id(group), (group, [], []))[1:]
+        by_group: dict[tuple, tuple[dict, list, list]] = {}
+        for group, p, g in work:  # one op per group and device (each device has its flag)
+            small, matrices = by_group.setdefault((id(group), p.device), (group, [], []))[1:]
             st = state[p]
             if st["kind"] == SMALL:
                 st["step"] += 1
                 small.append((p, g, st))
             else:
                 matrices += self._entries(p, g, st, single_step_window, direct, to_host)
-        for group, small, matrices in by_group.values():
+        for (_, device), (group, small, matrices) in by_group.items():
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"])
+            skip = skip_of(device)
+            if skip is not None:
+                hyper["skip"] = skip
             if small:
                 self.ops.adamw([p.detach() for p, _, _ in small], [g for _, g, _ in small],
                                [st["exp_avg"] for _, _, st in small],

@@ -8,12 +8,12 @@ from typing import Callable
 
 import torch
 
-from .kernels import confirm_nonfinite, nonfinite_flags
 from .partition import MATRIX, splittable
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A gradient holds NaN or inf; raised by step() before any state changes."""
+    """A gradient holds NaN or inf; raised by step() before any state changes (or, with
+    ``check_finite_at="boundary"``, at the next boundary, the masked steps undone)."""
 
 
 Work = list[tuple[dict, torch.Tensor, torch.Tensor]]
@@ -66,24 +66,3 @@ def collect(param_groups: list[dict], name_of: Callable[[torch.Tensor], str]) ->
                                  "match the param")
             work.append((group, p, g))
     return work
-
-
-def check_finite(work: Work, name_of: Callable[[torch.Tensor], str]) -> None:
-    """NonFiniteGradientError naming every param whose gradient holds a NaN or an inf: one
-    multi-tensor reduction and one host read per device (the step's only sync on an
-    ordinary step); a flagged gradient is confirmed exactly before it is reported (a flag
-    may be an overflow of a finite gradient, kernels.finite)."""
-    checked = [(p, g) for _, p, g in work if g.numel()]  # an empty grad is finite
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, g) in enumerate(checked):
-        by_device.setdefault(g.device, []).append(i)
-    bad = []
-    for idx in by_device.values():
-        flags = nonfinite_flags([checked[i][1] for i in idx]).tolist()
-        bad += [i for i, flag in zip(idx, flags) if flag and confirm_nonfinite(checked[i][1])]
-    if bad:
-        raise NonFiniteGradientError(
-            f"non-finite gradient (NaN or inf) in {', '.join(name_of(checked[i][0]) for i in sorted(bad))}; "
-            "no optimizer state was changed by this step (skip it, e.g. with "
-            "torch.amp.GradScaler, or construct with check_finite=False to let it propagate "
-            "as AdamW does)")

@@ -38,7 +38,8 @@ import torch
 from .config import ZenFlowConfig, check_hyper
 from .faults import OptimizerFailedError, StepGuard
 from .host import HostAdamW, HostPipeline, HostWorker, HostWorkerError
-from .inputs import NonFiniteGradientError, Work, check_finite, check_params, collect
+from .finite_watch import FiniteWatch
+from .inputs import NonFiniteGradientError, Work, check_params, collect
 from .device_half import DeviceHalf
 from .kernels import KernelOps, get_ops, resolve_backend
 from .lifecycle import HostThreads
@@ -101,6 +102,19 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self._global_step = 0
         self._own_threads(self._worker, self._host_adamw)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
+        self._finite = FiniteWatch(self._finite_at_boundary(), self._param_name)
+
+    def _finite_at_boundary(self) -> bool:
+        """Whether the NaN/inf check is read at boundaries only (``check_finite_at``)."""
+        cfg = self.config
+        if cfg.check_finite_at == "boundary" and self._backend != "triton":
+            raise ValueError('check_finite_at="boundary" needs the Triton backend (its kernels '
+                             f'read the device flag), but this optimizer runs backend '
+                             f'"{self._backend}"')
+        if cfg.check_finite_at == "auto":
+            return (self._backend == "triton" and cfg.accumulate_on == "device"
+                    and any(p.device.type == "cuda" for p in self._params()))
+        return cfg.check_finite_at == "boundary"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, after refusing AdamW options this optimizer does not implement (named)
@@ -170,7 +184,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = self._collect_grads()  # validates every gradient before any state changes
+        work = collect(self.param_groups, self._param_name)  # every gradient, validated
         self._check_hyper()  # a scheduler may have written them
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
@@ -180,7 +194,16 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         warmup = u <= 0
         reselect = not warmup and (u - 1) % cfg.effective_select_interval == 0
         boundary = warmup or u % cfg.update_interval == 0
+        # The NaN/inf check: read now, or (check_finite_at="boundary", a step that waits for
+        # nothing) left on the device to mask this step's update if bad (finite_watch).
+        defer = (cfg.check_finite and self._finite.at_boundary and not (warmup or reselect
+                 or boundary) and not self._needs_setup(work))
+        if cfg.check_finite and not defer:
+            self._finite.check(work, self._global_step + 1)
+        self._prepare_state(work)
         self._guard.before(self._wait_before_step, self._shard.sharded, self._global_step)
+        if defer:
+            self._finite.defer(work, self._global_step + 1, self._undo_of(work))
         with self._guard.whole_step(lambda: self._global_step):
             self._global_step += 1
             if reselect:
@@ -218,12 +241,31 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups if groups is None else groups):
             check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], where=f"{what} {gi}")
 
-    def _collect_grads(self) -> Work:
-        """The step's gradients, checked (``grads``), with every param's state made or put
-        back where it belongs."""
-        work = collect(self.param_groups, self._param_name)
-        if self.config.check_finite:
-            check_finite(work, self._param_name)
+    def _needs_setup(self, work: Work) -> bool:
+        """Whether this step makes or moves a param's state or selects a param's columns for
+        the first time (host syncs anyway, and changes that a deferred check could not undo)."""
+        for _, p, _ in work:
+            st = self.state.get(p)
+            if not st or misplaced(p, st) or (st["kind"] == MATRIX and not st["selected"]):
+                return True
+        return False
+
+    def _undo_of(self, work: Work) -> Callable[[], None]:
+        """Puts back the host-side counters a steady step changes (the step count, each
+        param's Adam step and window count) as they are now: a deferred NaN/inf check undoes
+        the steps it masked (finite_watch)."""
+        step = self._global_step
+        saved = [(st, {k: st[k] for k in ("step", "device_step", "acc_count") if k in st})
+                 for _, p, _ in work for st in (self.state[p],)]
+
+        def undo() -> None:
+            self._global_step = step
+            for st, counts in saved:
+                st.update(counts)
+        return undo
+
+    def _prepare_state(self, work: Work) -> None:
+        """Every param of the step with its state made or put back where it belongs."""
         for _, p, _ in work:
             st = self.state[p]
             if not st:
@@ -268,7 +310,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         Returns the host columns of params whose one-step window hands its gradient to the
         host as it is (``single_step_window``: warm-up, update_interval=1)."""
         self._pipeline.wait_copy_in()  # the accumulators are on loan to the job until copied
-        direct, to_host = self._dev.run(work, self.state, single_step_window)
+        direct, to_host = self._dev.run(work, self.state, single_step_window,
+                                        self._finite.skip_of)
         if to_host:  # the host worker adds them; this thread only queues the copies
             self._pipeline.accumulate(to_host, f"step {self._global_step}")
         return direct
@@ -323,6 +366,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         the deferred columns skip their staleness; deterministic)."""
         self._check_open()
         self._guard.check()
+        if self.config.check_finite:
+            self._finite.settle()  # a deferred NaN/inf check raises here, rolled back
         self._guard.or_fail(self._drain, self._global_step)
 
     def train(self) -> "ZenFlowOptimizer":
@@ -394,6 +439,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         if getattr(self, "_detached", False):
             self._check_open()  # explains what a copy lacks
         self._guard.check()
+        if self.config.check_finite and not self._closed:
+            self._finite.settle()  # a deferred NaN/inf check raises here, rolled back
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if not self._closed:
@@ -457,6 +504,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self.state.clear()
         self.state.update(loaded.state)
         self._dev.index_cache.clear()
+        self._finite.discard()  # unread checks of the state being replaced
         self._global_step = 0 if loaded.adamw else int(loaded.meta.get("global_step", 0))
         self._guard.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -225,7 +225,7 @@ def to_adamw(p: torch.Tensor, st: dict, beta1: float, beta2: float) -> dict:
 
 # Config fields that change how, not what, is computed (results are bit-identical across them).
 EXECUTION_ONLY = frozenset({"chunk_size", "host_threads", "host_cores", "backend",
-                            "host_timeout", "check_finite"})
+                            "host_timeout", "check_finite", "check_finite_at"})
 
 
 def config_change(saved: Any, mine: ZenFlowConfig) -> str | None:

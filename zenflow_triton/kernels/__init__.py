@@ -14,18 +14,21 @@ Signatures (all in place unless they return):
   host_idxs, *, lr, beta1, beta2, eps, weight_decay)``: the device half of a step for many
   matrix params sharing the hyperparameters: selective AdamW on each one's device-owned
   columns and ``accs[i] += g2ds[i][:, host_idxs[i]]`` (skipped where ``accs[i]`` is None),
-  reading each gradient once; one launch per dtype pair on the Triton backend.
+  reading each gradient once; one launch per dtype pair on the Triton backend. ``skip``
+  (keyword, optional): an int32 [1] flag on the device; nonzero makes the op write nothing
+  (the Triton kernels read it on the device, the references on the host).
 * ``adamw(params, grads, ms, vs, masters, steps, *, lr, beta1, beta2, eps, weight_decay)``:
-  full AdamW over a list of tensors sharing the hyperparameters (one launch per dtype pair).
+  full AdamW over a list of tensors sharing the hyperparameters (one launch per dtype pair);
+  ``skip`` as above.
 * ``accumulate_columns(acc, g2d, idx, scale)``: acc += scale * g2d[:, idx] (fp32 acc).
 * ``gather_columns(src2d, idx, dtype=None) -> [rows, k]`` and
   ``scatter_columns(dst2d, idx, src)``: column moves with a cast.
 * ``scatter_columns_multi(dst2ds, idxs, srcs)``: ``scatter_columns`` for many params (the
   apply of a window), one launch per dtype pair on the Triton backend.
 
-Shared by both backends: ``nonfinite_flags(grads) -> bool [n]`` on the device (``finite.py``:
-one multi-tensor reduction, read by the caller once per step; a superset, which
-``confirm_nonfinite(grad)`` checks exactly).
+Shared by both backends: ``nonfinite_flags(grads, exact=False) -> bool [n]`` on the device
+(``finite.py``: one multi-tensor reduction, no host sync; a superset, which
+``confirm_nonfinite(grad)`` checks exactly, or exact with ``exact=True``).
 """
 
 from __future__ import annotations

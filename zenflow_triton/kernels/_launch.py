@@ -89,6 +89,23 @@ def tile_2d(rows: int, cols: int) -> tuple[int, int, int]:
     return block_r, block_c, num_warps_for(block_r * block_c)
 
 
+_NO_SKIP: dict[torch.device, torch.Tensor] = {}
+
+
+def skip_flag(skip: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The int32 [1] skip flag (0 or 1) a masked kernel reads: ``skip`` itself, or a zero flag kept per
+    device (made once, never written) when the caller has none."""
+    if skip is not None:
+        if skip.dtype != torch.int32 or skip.numel() != 1 or skip.device != device:
+            raise ValueError(f"skip must be an int32 flag of one element on {device}, got "
+                             f"{skip.dtype} {tuple(skip.shape)} on {skip.device}")
+        return skip
+    flag = _NO_SKIP.get(device)
+    if flag is None:
+        flag = _NO_SKIP[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -50,6 +50,7 @@ def _adamw_kernel(
 def _adamw_multi_kernel(
     meta_ptr, cum_ptr, hyper_ptr, n_tensors,
     p_like_ptr, g_like_ptr,  # the element types of the params and grads of this launch
+    skip_ptr,  # int32 [1], 0 or 1: 1 = a gradient of this window was not finite; write nothing
     decay, lerp_w, beta2, one_minus_beta2, eps,
     W: tl.constexpr, SEARCH: tl.constexpr,
     HAS_MASTER: tl.constexpr,  # as in _adamw_kernel
@@ -60,7 +61,7 @@ def _adamw_multi_kernel(
     # addresses, numel), per-tensor step size and bias correction; see _multi.
     i, t = _multi.tensor_of(tl.program_id(0).to(tl.int64), cum_ptr, n_tensors, SEARCH)
     row = meta_ptr + i * W
-    n = tl.load(row + 5)
+    n = tl.load(row + 5) * (1 - tl.load(skip_ptr))  # a set skip flag: nothing in bounds
     offs = t * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_like_ptr.dtype.element_ty))
@@ -122,10 +123,12 @@ def adamw_scalars_launch(params: Sequence[torch.Tensor], grads: Sequence[torch.T
 def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
                 masters: Sequence[torch.Tensor | None], steps: Sequence[int], *, lr: float,
-                beta1: float, beta2: float, eps: float, weight_decay: float) -> int:
+                beta1: float, beta2: float, eps: float, weight_decay: float,
+                skip: torch.Tensor | None = None) -> int:
     """The eager launcher: same contract as :func:`adamw_ref`, one launch per pair of param
     dtype and grad dtype (a table row per tensor, see ``_multi``), bit for bit what
-    :func:`adamw_scalars_launch` gives. Returns the number of launches."""
+    :func:`adamw_scalars_launch` gives. Returns the number of launches. ``skip``: an int32
+    [1] flag on the params' device, read by the kernel (no host sync)."""
     from .selective_adamw import adamw_scalars
 
     _launch.require_triton(triton)
@@ -167,7 +170,7 @@ def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         with _launch.launching(_adamw_multi_kernel, params[first]):
             _adamw_multi_kernel[(total,)](
                 *tabs, len(members), params[first], grads[first],
-                s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
+                _launch.skip_flag(skip, device), s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
                 W=6, SEARCH=_multi.search_steps(len(members)),
                 HAS_MASTER=p_dtype != torch.float32, SOFT_BF16=_launch.interpreting(),
                 BLOCK=block, num_warps=num_warps,
@@ -179,7 +182,12 @@ def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 def adamw_ref(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
               masters: Sequence[torch.Tensor | None], steps: Sequence[int], *,
-              lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+              lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+              skip: torch.Tensor | None = None) -> None:
+    """AdamW per tensor; nothing when ``skip`` (an int32 [1] flag) is nonzero (this reference
+    reads it on the host)."""
+    if skip is not None and bool(skip):
+        return
     for p, g, m, v, master, step in zip(params, grads, ms, vs, masters, steps):
         w = master if master is not None else p
         adamw_(w, g.float() if g.dtype != torch.float32 else g, m, v, lr=lr, beta1=beta1,

@@ -44,6 +44,7 @@ _W = 16
 def _selective_adamw_accumulate_kernel(
     meta_ptr, cum_ptr, hyper_ptr, n_tensors,
     p_like_ptr, g_like_ptr,  # the element types of the params and grads of this launch
+    skip_ptr,  # int32 [1], 0 or 1: 1 = a gradient of this window was not finite; write nothing
     decay, lerp_w, beta2, one_minus_beta2, eps,
     W: tl.constexpr, SEARCH: tl.constexpr,
     HAS_MASTER: tl.constexpr,  # low-precision params: the weight lives in the fp32 master
@@ -53,7 +54,8 @@ def _selective_adamw_accumulate_kernel(
 ):
     i, t = _multi.tensor_of(tl.program_id(0).to(tl.int64), cum_ptr, n_tensors, SEARCH)
     row = meta_ptr + i * W
-    rows = tl.load(row + 8)
+    # A set skip flag (0 or 1) makes every tile empty: nothing is read or written.
+    rows = tl.load(row + 8) * (1 - tl.load(skip_ptr))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(g_like_ptr.dtype.element_ty))
     g_sr = tl.load(row + 13)
     g_sc = tl.load(row + 14)
@@ -99,9 +101,10 @@ def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torc
                                accs: Sequence[torch.Tensor | None],
                                host_idxs: Sequence[torch.Tensor | None], *, lr: float,
                                beta1: float, beta2: float, eps: float,
-                               weight_decay: float) -> int:
+                               weight_decay: float, skip: torch.Tensor | None = None) -> int:
     """Triton launcher; same contract as :func:`selective_adamw_accumulate_ref`. Returns the
-    number of kernel launches (one per pair of param dtype and grad dtype that has work)."""
+    number of kernel launches (one per pair of param dtype and grad dtype that has work).
+    ``skip``: an int32 [1] flag on the params' device, read by the kernel (no host sync)."""
     _launch.require_triton(triton)
     n_t = len(p2ds)
     if not (len(g2ds) == len(dev_idxs) == len(ms) == len(vs) == len(masters) == len(steps)
@@ -141,14 +144,14 @@ def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torc
         for acc_dtype, sub in by_acc.items():
             launches += _launch_group(sorted(sub), p2ds, g2ds, dev_idxs, ms, vs, masters,
                                       steps, accs, host_idxs, device, p_dtype != torch.float32,
-                                      acc_dtype == torch.bfloat16,
+                                      acc_dtype == torch.bfloat16, skip,
                                       lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                       weight_decay=weight_decay)
     return launches
 
 
 def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, host_idxs,
-                  device, has_master, acc_bf16, *, lr, beta1, beta2, eps,
+                  device, has_master, acc_bf16, skip, *, lr, beta1, beta2, eps,
                   weight_decay) -> int:
     max_rows = max(p2ds[i].shape[0] for i in members)
     max_cols = max(p2ds[i].shape[1] for i in members)
@@ -190,7 +193,7 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
     first = order[0]
     with _launch.launching(_selective_adamw_accumulate_kernel, p2ds[first]):
         _selective_adamw_accumulate_kernel[(total,)](
-            *tabs, len(order), p2ds[first], g2ds[first],
+            *tabs, len(order), p2ds[first], g2ds[first], _launch.skip_flag(skip, device),
             s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
             W=_W, SEARCH=_multi.search_steps(len(order)), HAS_MASTER=has_master,
             ACC_BF16=acc_bf16, SOFT_BF16=_launch.interpreting(), BLOCK_R=block_r, BLOCK_K=block_k,
@@ -201,9 +204,14 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
 
 def selective_adamw_accumulate_ref(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
                                    host_idxs, *, lr: float, beta1: float, beta2: float,
-                                   eps: float, weight_decay: float) -> int:
+                                   eps: float, weight_decay: float,
+                                   skip: torch.Tensor | None = None) -> int:
     """The contract: per param, :func:`selective_adamw_ref` on the device-owned columns, then
-    :func:`accumulate_columns_ref` of the host-owned ones. Returns 0 (no kernel launches)."""
+    :func:`accumulate_columns_ref` of the host-owned ones; nothing at all when ``skip`` (an
+    int32 [1] flag) is nonzero (this reference reads it on the host). Returns 0 (no kernel
+    launches)."""
+    if skip is not None and bool(skip):
+        return 0
     for i in range(len(p2ds)):
         if dev_idxs[i].numel():
             selective_adamw_ref(p2ds[i], g2ds[i], dev_idxs[i], ms[i], vs[i], masters[i],

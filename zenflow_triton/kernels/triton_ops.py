@@ -112,12 +112,15 @@ def selective_adamw(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
 def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
           ms: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
           masters: Sequence[torch.Tensor | None], steps: Sequence[int], *,
-          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+          skip: torch.Tensor | None = None) -> None:
     if len(params) == 0:
         return
     if not torch.compiler.is_compiling():  # eager: one multi-tensor launch per dtype pair
         _adamw_multi(params, grads, ms, vs, masters, steps, lr=lr, beta1=beta1, beta2=beta2,
-                     eps=eps, weight_decay=weight_decay)
+                     eps=eps, weight_decay=weight_decay, skip=skip)
+        return
+    if skip is not None and bool(skip):  # the per-param ops have no flag: read it
         return
     # Under torch.compile: the registered op (a table of addresses cannot be traced).
     scal = [adamw_scalars(lr, beta1, beta2, eps, weight_decay, s) for s in steps]
@@ -132,13 +135,16 @@ def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 
 def selective_adamw_accumulate(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, host_idxs,
                                *, lr: float, beta1: float, beta2: float, eps: float,
-                               weight_decay: float) -> None:
-    """Eager: one multi-tensor launch per dtype pair. Under torch.compile: the registered
-    per-param ops (a table of addresses cannot be traced)."""
+                               weight_decay: float, skip: torch.Tensor | None = None) -> None:
+    """Eager: one multi-tensor launch per dtype pair, masked on the device by ``skip``. Under
+    torch.compile: the registered per-param ops (a table of addresses cannot be traced),
+    which read ``skip`` on the host."""
     if not torch.compiler.is_compiling():
         _selective_adamw_accumulate_multi(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
                                           host_idxs, lr=lr, beta1=beta1, beta2=beta2,
-                                          eps=eps, weight_decay=weight_decay)
+                                          eps=eps, weight_decay=weight_decay, skip=skip)
+        return
+    if skip is not None and bool(skip):
         return
     for i in range(len(p2ds)):
         selective_adamw(p2ds[i], g2ds[i], dev_idxs[i], ms[i], vs[i], masters[i], lr=lr,
