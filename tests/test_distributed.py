@@ -82,10 +82,19 @@ def _worker(rank: int, world: int, store: str, scenario: str, out: str) -> None:
             pass
 
 
-def _train_scenario(rank: int, backend: str = "torch") -> dict:
+# The modes a rank could get wrong on its own rows: the host adds each step's columns of
+# this rank's rows (accumulate_on="host"), bf16 host moments and accumulators, and a window
+# applied at its own boundary (overlap=False).
+MODES = {"host-acc": dict(accumulate_on="host"),
+         "bf16-state": dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16"),
+         "sync": dict(overlap=False)}
+
+
+def _train_scenario(rank: int, backend: str = "torch", mode: str | None = None) -> dict:
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, backend=backend, **CFG)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, backend=backend,
+                           **{**CFG, **MODES.get(mode, {})})
     train(ddp, opt, batches(), rank, WORLD)
     acc_rows = [s["acc"].shape[0] for s in opt.state.values()
                 if isinstance(s.get("acc"), torch.Tensor)]
@@ -228,6 +237,7 @@ def _fsdp2_scenario(rank: int) -> dict:
 SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
              "fsdp2": _fsdp2_scenario,
              "train-triton": lambda rank: _train_scenario(rank, "triton"),
+             **{f"train-{m}": (lambda rank, m=m: _train_scenario(rank, mode=m)) for m in MODES},
              "failure": _failure_scenario, "dcp": _dcp_scenario,
              "failure-host-acc": lambda rank: _failure_scenario(rank, "host")}
 
@@ -361,3 +371,41 @@ def test_the_ddp_example_runs_under_torchrun():
     assert proc.returncode == 0, out[-3000:]
     assert "world 2: params identical on every rank: True" in out, out[-3000:]
     assert "rank 1: host state" in out
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_follows_one_process(tmp_path, mode):
+    """DDP on 2 ranks against one process on the whole batch, in each mode of ``MODES``:
+    the same params on every rank, the same selections as one process, and the one
+    process's trajectory to fp32 rounding (bf16 state: plus the bf16 rounding that an
+    fp32 difference of the all-reduced gradient can flip, per window). A rank that added, kept or wrote the wrong rows would be
+    off by whole updates (0.19 in a run tried on purpose with a wrong row offset)."""
+    ranks = spawn(f"train-{mode}", tmp_path)
+    a, b = ranks
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+    cfg = {**CFG, **MODES[mode]}
+    model = make_model()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **cfg) as opt:
+        train(model, opt, batches())
+        opt.synchronize()
+        single_idx = [s["device_idx"].clone() for s in opt.state.values()
+                      if "device_idx" in s]
+    for x, y in zip(a["device_idx"], single_idx):
+        assert torch.equal(x, y)
+    want = [p.detach() for p in model.parameters()]
+    if mode != "bf16-state":
+        assert_trajectories_close(a["params"], want, STEPS, LR * CFG["update_interval"])
+        return
+    # bf16 accumulators and moments: an fp32-rounding difference of the all-reduced gradient
+    # can flip a bf16 rounding (2**-8 relative) of an accumulator or a moment, which moves
+    # that window's host update (at most lr_eff * R) by a few such units; summed over the
+    # windows (4 units each: the accumulator, m, v and the square root).
+    from .helpers import adam_step_bound, fp32_run_tol
+    lr_eff = LR * CFG["update_interval"]
+    windows = STEPS // CFG["update_interval"]
+    atol = 4 * 2.0 ** -8 * windows * lr_eff * adam_step_bound(0.9, 0.999, STEPS)
+    tol = fp32_run_tol(STEPS, lr_eff)
+    for i, (g, w) in enumerate(zip(a["params"], want)):
+        torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] + atol,
+                                   msg=lambda m, i=i: f"param {i}: {m}")
