@@ -103,6 +103,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self._own_threads(self._worker, self._host_adamw)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
         self._finite = FiniteWatch(self._finite_at_boundary(), self._param_name)
+        self._prepared: tuple[int, dict] | None = None  # prepare_state_dict's, until a change
 
     def _finite_at_boundary(self) -> bool:
         """Whether the NaN/inf check is read at boundaries only (``check_finite_at``)."""
@@ -180,6 +181,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         raises mid-step leaves the optimizer failed (:class:`OptimizerFailedError`)."""
         self._check_open()
         self._guard.check()
+        self._prepared = None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -339,6 +341,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         """Wait for host work in flight, then write every pending host result into its param.
         Under data parallelism every rank does this at the same step: the ranks agree that
         their jobs succeeded, then gather each other's rows of the results."""
+        self._prepared = None  # what it applies changes the params and the pending state
         failure, self._guard.deferred = self._guard.deferred, None
         try:
             self._pipeline.wait()
@@ -414,8 +417,22 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         """Tensors and primitives only. Host work in flight is finished first and saved as
         pending (``host_pending``), to be applied at the step it would have been anyway.
         Under data parallelism: collective, and the full form (every rank's rows of every
-        host half, gathered); :meth:`save_sharded` writes each rank's rows instead."""
+        host half, gathered); :meth:`save_sharded` writes each rank's rows instead. After
+        :meth:`prepare_state_dict` (on every rank) and before the next change, the prepared
+        state dict, with no collective: one rank may then call this alone."""
+        prepared = getattr(self, "_prepared", None)  # a copy (__setstate__) has none
+        if prepared is not None and prepared[0] == self._global_step:
+            return prepared[1]
         return self._state_dict(gather=True)
+
+    def prepare_state_dict(self) -> None:
+        """Gather the full state dict now (collective under data parallelism: every rank
+        calls it) and keep it until the next change (step, synchronize, load), so that a
+        following :meth:`state_dict` on one rank alone makes no collective. For frameworks
+        that save on rank 0 only, such as the HF Trainer (``zenflow_triton.hf.ZenFlowCallback``
+        calls this on every rank before a save). A no-op for the collectives on one process."""
+        self._prepared = None
+        self._prepared = (self._global_step, self._state_dict(gather=True))
 
     def save_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
         """Save through ``torch.distributed.checkpoint``, each rank writing only its rows of
@@ -505,6 +522,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self.state.update(loaded.state)
         self._dev.index_cache.clear()
         self._finite.discard()  # unread checks of the state being replaced
+        self._prepared = None
         self._global_step = 0 if loaded.adamw else int(loaded.meta.get("global_step", 0))
         self._guard.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():

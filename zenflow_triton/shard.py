@@ -98,7 +98,11 @@ class RowShard:
         # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.13).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._wait(gather(every, mine, group=self.group, async_op=True),
-                   "an all-gather of the host halves' rows")
+                   "an all-gather of the host halves' rows (state_dict() and the apply of a "
+                   "window gather them from every rank: every rank must call them; for a "
+                   "framework that saves on rank 0 only, call prepare_state_dict() on every "
+                   "rank first, e.g. with zenflow_triton.hf.ZenFlowCallback for the HF "
+                   "Trainer)")
         every = every.view(self.world, -1)
         out = []
         off = 0
