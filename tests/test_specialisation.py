@@ -108,3 +108,19 @@ def test_a_run_compiles_per_class_not_per_step():
         bound = len(opt.param_groups) if name in MULTI else len(shapes)
         assert n <= bound, f"{name}: {n} variants > {bound}\n{_explain(rec)}"
     assert set(MULTI) <= set(rec.distinct()), rec.distinct()
+
+
+def test_no_kernel_is_autotuned():
+    """An autotuned kernel that updates in place would run each trial config on the same
+    buffers (AdamW applied several times) unless it restores them (``restore_value``); and
+    its chosen configs would have to travel with the profile. None is autotuned: tiles come
+    from ``kernels._launch``'s heuristics. This fails if one becomes an Autotuner, so that
+    the change makes those two decisions."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    from .specialisations import package_kernels
+
+    kernels = package_kernels()
+    assert len(kernels) >= 9, sorted(kernels)
+    tuned = [name for name, k in kernels.items() if isinstance(k, (Autotuner, Heuristics))]
+    assert not tuned, tuned
