@@ -240,3 +240,43 @@ def test_a_state_dict_saved_by_an_earlier_version_loads():
     opt.synchronize()
     opt.close()
     assert_trajectories_close(params_of(model), saved["after"], 20, 3e-3 * 2)
+
+
+def test_state_dict_gathers_host_halves_in_bounded_batches(monkeypatch):
+    """``state_format.gather_host_halves`` gathers at most GATHER_BYTES of rows a call (one
+    tensor larger than that alone), so the collective's device never holds every host half
+    at once; the gathered state dict is the one an unbatched gather gives."""
+    from zenflow_triton import state_format
+
+    class RecordingShard:  # one process's gather (rows as they are), sizes recorded
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.calls = []
+
+        def gather_rows(self, parts, totals):
+            self.calls.append(sum(p.numel() * p.element_size() for p in parts))
+            return [p.clone() for p in parts]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    with ZenFlowOptimizer(model.parameters(), topk_ratio=0.25, min_offload_numel=64) as opt:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        sd = opt.state_dict()
+    params = list(model.parameters())
+    want = {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for i, st in sd["state"].items()}
+    one_half = 32 * 24 * 4  # a host master: 32 rows x 24 host columns, fp32
+    monkeypatch.setattr(state_format, "GATHER_BYTES", 2 * one_half)
+    shard = RecordingShard()
+    state_format.gather_host_halves(sd["state"], params, shard)
+    n_halves = sum(isinstance(st.get(k), torch.Tensor) for st in sd["state"].values()
+                   for k in state_format.ROW_SHARDED)
+    assert len(shard.calls) >= n_halves // 2 > 1, shard.calls
+    assert max(shard.calls) <= 2 * one_half, shard.calls
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, want[i][k]), (i, k)

@@ -253,18 +253,40 @@ def misplaced(p: torch.Tensor, st: dict) -> bool:
     return st["exp_avg"].device != p.device
 
 
+GATHER_BYTES = 256 << 20
+"""At most this many bytes of gathered rows (every rank's) on the collective's device at a
+time while a state dict gathers the host halves (one tensor larger than this goes alone)."""
+
+
 def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
     """In ``state`` (a state dict's, keyed by param index), replace each host half that
-    holds this rank's rows by all the rows, gathered from every rank (one all-gather per
-    dtype; every rank gets the full form, which loads into any world size)."""
+    holds this rank's rows by all the rows, gathered from every rank (every rank gets the
+    full form, which loads into any world size). In batches of at most ``GATHER_BYTES`` of
+    gathered rows (one all-gather per dtype of a batch), each moved to host memory before
+    the next: the collective's device (an accelerator under NCCL) never holds the whole
+    model's fp32 masters and moments."""
     items = [(i, key) for i, st in sorted((i, st) for i, st in state.items()
                                           if isinstance(i, int) and isinstance(st, dict))
              if st.get("kind") == MATRIX
              for key in ROW_SHARDED if isinstance(st.get(key), torch.Tensor)]
-    full = shard.gather_rows([state[i][key].to(shard.device) for i, key in items],
-                             [view2d(params[i]).shape[0] for i, _ in items])
-    for (i, key), t in zip(items, full):
-        state[i][key] = t.cpu()
+    batch: list[tuple[int, str]] = []
+    size = 0
+    for item in items + [None]:
+        if item is not None:
+            i, key = item
+            t = state[i][key]
+            full_bytes = view2d(params[i]).shape[0] * t.shape[1] * t.element_size()
+            if not batch or size + full_bytes <= GATHER_BYTES:
+                batch.append(item)
+                size += full_bytes
+                continue
+        if batch:
+            full = shard.gather_rows([state[i][key].to(shard.device) for i, key in batch],
+                                     [view2d(params[i]).shape[0] for i, _ in batch])
+            for (i, key), t in zip(batch, full):
+                state[i][key] = t.cpu()
+        if item is not None:
+            batch, size = [item], full_bytes
 
 
 def adamw_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
