@@ -85,6 +85,43 @@ def _worker(rank: int, world: int, store: str, scenario: str, out: str) -> None:
 # The modes a rank could get wrong on its own rows: the host adds each step's columns of
 # this rank's rows (accumulate_on="host"), bf16 host moments and accumulators, and a window
 # applied at its own boundary (overlap=False).
+def _collectives_scenario(rank: int) -> dict:
+    """The collective waits of each step (``RowShard._wait``, which every wait on a
+    collective of the library goes through), and the host-blocking calls the step counter
+    sees, over 8 steps: windows of 2, reselection every 4."""
+    from zenflow_triton.shard import RowShard
+
+    from .counting import count_step
+
+    waits = []
+    real = RowShard._wait
+
+    def counted(self, work, what):
+        waits.append(what)
+        return real(self, work, what)
+
+    RowShard._wait = counted
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    per_step, syncs = [], []
+    try:
+        for x, y in batches(8):
+            n = x.shape[0] // WORLD
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(ddp(x[rank * n:(rank + 1) * n]),
+                                         y[rank * n:(rank + 1) * n]).backward()
+            before = len(waits)
+            syncs.append(count_step(opt).kinds())
+            per_step.append(waits[before:])
+        st = opt.stats()
+    finally:
+        RowShard._wait = real
+        opt.close()
+    return dict(per_step=per_step, syncs=syncs, refreshes=st["selection_refreshes"],
+                host_updates=st["host_updates"])
+
+
 MODES = {"host-acc": dict(accumulate_on="host"),
          "bf16-state": dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16"),
          "sync": dict(overlap=False)}
@@ -238,6 +275,7 @@ SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
              "fsdp2": _fsdp2_scenario,
              "train-triton": lambda rank: _train_scenario(rank, "triton"),
              **{f"train-{m}": (lambda rank, m=m: _train_scenario(rank, mode=m)) for m in MODES},
+             "collectives": _collectives_scenario,
              "failure": _failure_scenario, "dcp": _dcp_scenario,
              "failure-host-acc": lambda rank: _failure_scenario(rank, "host")}
 
@@ -409,3 +447,21 @@ def test_every_mode_follows_one_process(tmp_path, mode):
     for i, (g, w) in enumerate(zip(a["params"], want)):
         torch.testing.assert_close(g, w, rtol=tol["rtol"], atol=tol["atol"] + atol,
                                    msg=lambda m, i=i: f"param {i}: {m}")
+
+
+def test_collective_waits_per_step(tmp_path):
+    """Under DDP the library waits on collectives only at apply points and reselections, and
+    an apply waits on one: the all-gather of the results' rows carries every rank's vote on
+    whether its host work succeeded (``RowShard.gather_rows(agree=...)``). Windows of 2,
+    reselection every 4 (steps 1 and 5): steps 3 and 7 wait on none; steps 4 and 8 apply
+    (one); steps 2 and 6 launch after a reselection and have nothing to apply (the vote
+    alone: one); step 5 applies and migrates (two: the results, the leaving columns' rows);
+    step 1 selects for the first time (the vote, the rows). Host reads at an apply: the
+    finite check's and the vote's."""
+    for res in spawn("collectives", tmp_path):
+        assert res["refreshes"] == 2 and res["host_updates"] == 4
+        counts = [len(w) for w in res["per_step"]]
+        assert counts == [2, 1, 0, 1, 2, 1, 0, 1], res["per_step"]
+        for t in (4, 8):
+            assert res["syncs"][t - 1].get(".tolist()") == 2, res["syncs"][t - 1]
+            assert "HostWorker.wait" in res["syncs"][t - 1]

@@ -349,12 +349,20 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             raise
         except BaseException as e:  # every rank must hear of it before the gather
             failure = failure or e
-        self._shard.agree(failure, "the host work")
+        # Every rank has the same pending params (flags set when the job was launched), so
+        # every rank makes the same collective: the gather of the results' rows, which also
+        # agrees on the failure (one wait per apply), or the agreement alone.
+        pending = [(p, st) for p in self._params() for st in (self.state.get(p),)
+                   if isinstance(st, dict) and st.get("host_pending")]
+        if failure is not None and pending and self._shard.sharded:
+            apply_results(pending, {}, link=self.link, shard=self._shard, ops=self.ops,
+                          host_idx=self._dev.host_idx, failure=failure)  # raises
+        if failure is not None or not pending:
+            self._shard.agree(failure, "the host work")
         stored, boxed_keys = self._pipeline.take_results()
         for p in stored:  # the job wrote these params itself
             self.state[p]["host_pending"] = False
-        pending = [(p, st) for p in self._params() for st in (self.state.get(p),)
-                   if isinstance(st, dict) and st.get("host_pending")]
+        pending = [(p, st) for p, st in pending if st.get("host_pending")]
         if not pending:
             return
         # The job's results, already in each param's dtype: one non-blocking copy per arena

@@ -63,33 +63,60 @@ class RowShard:
         return -(-total // self.world)
 
     # ------------------------------------------------------------------ collectives
-    def gather_rows(self, parts: Sequence[torch.Tensor], totals: Sequence[int]
+    def gather_rows(self, parts: Sequence[torch.Tensor], totals: Sequence[int],
+                    agree: tuple[BaseException | None, str] | None = None,
+                    what: str = "an all-gather of the host halves' rows"
                     ) -> list[torch.Tensor]:
         """Every rank gives its rows ``parts[i]`` (``[r1 - r0, n_i]``); each gets back the
         full ``[totals[i], n_i]``, in order: one all-gather per (device, dtype) of the parts,
         in the order they first appear (the same on every rank, which gives the same parts),
-        each rank's rows padded to ``chunk``."""
+        each rank's rows padded to ``chunk``.
+
+        ``agree=(failure, what)``: the gather is also :meth:`agree`'s vote (a flag per rank
+        rides in each all-gather), so an apply point waits on one collective, not two; a
+        rank whose ``failure`` is set gives parts of the right shapes (their values are not
+        used) and raises it, the others a :class:`ShardError`, before anything is returned."""
         if not self.sharded:
+            if agree is not None and agree[0] is not None:
+                raise agree[0]
             return list(parts)
         kinds: dict[tuple, list[int]] = {}
         for i, part in enumerate(parts):
             kinds.setdefault((part.device, part.dtype), []).append(i)
         out: list[torch.Tensor] = [None] * len(parts)  # type: ignore[list-item]
+        failed: set[int] = set()
         for members in kinds.values():
-            full = self._gather_kind([parts[i] for i in members], [totals[i] for i in members])
+            full, flags = self._gather_kind([parts[i] for i in members],
+                                            [totals[i] for i in members],
+                                            None if agree is None else agree[0] is not None,
+                                            what)
+            failed.update(r for r, f in enumerate(flags) if f)
             for i, t in zip(members, full):
                 out[i] = t
+        if agree is not None:
+            failure, what = agree
+            if failure is not None:
+                raise failure
+            if failed:
+                raise ShardError(f"{what} failed on rank(s) {sorted(failed)}; this rank cannot "
+                                 "go on (load the last checkpoint into a new optimizer on every "
+                                 "rank)")
         return out
 
-    def _gather_kind(self, parts: Sequence[torch.Tensor], totals: Sequence[int]
-                     ) -> list[torch.Tensor]:
-        """:meth:`gather_rows` of parts of one device and dtype: one all-gather."""
+    def _gather_kind(self, parts: Sequence[torch.Tensor], totals: Sequence[int],
+                     flag: bool | None, what: str) -> tuple[list[torch.Tensor], list[bool]]:
+        """:meth:`gather_rows` of parts of one device and dtype: one all-gather; with
+        ``flag``, each rank's flag rides after its rows (0 or 1, exact in any float dtype),
+        and every rank's comes back."""
         import torch.distributed as dist
 
         dtype, device = parts[0].dtype, parts[0].device
         widths = [p.shape[1] for p in parts]
         sizes = [self.chunk(t) * w for t, w in zip(totals, widths)]
-        mine = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        extra = 0 if flag is None else 1
+        mine = torch.zeros(sum(sizes) + extra, dtype=dtype, device=device)
+        if flag:
+            mine[-1] = 1
         off = 0
         for part, size in zip(parts, sizes):
             mine[off:off + part.numel()].copy_(part.reshape(-1))
@@ -97,20 +124,16 @@ class RowShard:
         every = torch.empty(self.world * mine.numel(), dtype=dtype, device=device)
         # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.13).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._wait(gather(every, mine, group=self.group, async_op=True),
-                   "an all-gather of the host halves' rows (state_dict() and the apply of a "
-                   "window gather them from every rank: every rank must call them; for a "
-                   "framework that saves on rank 0 only, call prepare_state_dict() on every "
-                   "rank first, e.g. with zenflow_triton.hf.ZenFlowCallback for the HF "
-                   "Trainer)")
+        self._wait(gather(every, mine, group=self.group, async_op=True), what)
         every = every.view(self.world, -1)
+        flags = [bool(f) for f in every[:, -1].tolist()] if extra else []
         out = []
         off = 0
         for total, width, size in zip(totals, widths, sizes):
             chunk = self.chunk(total)
             out.append(every[:, off:off + size].reshape(self.world * chunk, width)[:total])
             off += size
-        return out
+        return out, flags
 
     def agree(self, failure: BaseException | None, what: str) -> None:
         """Every rank says whether ``what`` failed on it; if any did, every rank raises (its

@@ -253,6 +253,10 @@ def misplaced(p: torch.Tensor, st: dict) -> bool:
     return st["exp_avg"].device != p.device
 
 
+_SAVE_GATHER = ("the state dict's all-gather of the host halves' rows (collective under data "
+                "parallelism: every rank must call state_dict(); for a framework that saves on "
+                "rank 0 only, call prepare_state_dict() on every rank first, e.g. with "
+                "zenflow_triton.hf.ZenFlowCallback for the HF Trainer)")
 GATHER_BYTES = 256 << 20
 """At most this many bytes of gathered rows (every rank's) on the collective's device at a
 time while a state dict gathers the host halves (one tensor larger than this goes alone)."""
@@ -282,7 +286,8 @@ def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
                 continue
         if batch:
             full = shard.gather_rows([state[i][key].to(shard.device) for i, key in batch],
-                                     [view2d(params[i]).shape[0] for i, _ in batch])
+                                     [view2d(params[i]).shape[0] for i, _ in batch],
+                                     what=_SAVE_GATHER)
             for (i, key), t in zip(batch, full):
                 state[i][key] = t.cpu()
         if item is not None:
