@@ -7,8 +7,9 @@
 #                    numpy, found or MISSING; device, driver, library versions
 #   tests.txt        the pytest output of each piece, one after the other: the kernel tests
 #                    compiled for the GPU, the optimizer on CUDA with the Triton backend
-#                    against the torch backend, the CUDA copy-pipeline tests and the counted
-#                    syncs/launches (tests build their tensors on CUDA)
+#                    against the torch backend, the CUDA copy-pipeline tests, the counted
+#                    syncs/launches (tests build their tensors on CUDA), the deferred NaN
+#                    check, and the compiled variants per run (the JIT's own keys)
 #   tests.xml        the junit reports of every piece, merged; rewritten after each piece, so
 #                    a piece stopped at its limit loses only its own (marked as an error)
 #   gpu_check.txt    bench/gpu_check.py: trajectory Triton vs torch on CUDA, host syncs per
@@ -62,6 +63,8 @@ PIECES=(
   "tests/test_triton_backend.py 50"
   "tests/test_cuda_pipeline.py 40"
   "tests/test_gpu_discipline.py 40"
+  "tests/test_deferred_finite.py 25"
+  "tests/test_specialisation.py 30"
 )
 if [ -n "${GPU_CHECK_PIECES:-}" ]; then
   mapfile -t PIECES <<< "$GPU_CHECK_PIECES"

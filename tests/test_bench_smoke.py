@@ -96,7 +96,8 @@ def test_gpu_check_script_runs_in_cpu_smoke_mode(tmp_path):
 GPU_CHECK = "bench/gpu_check.sh"
 GPU_CHECK_FILES = 7  # what comes back from the GPU machine: at most 8 files; the script keeps 7
 PIECE_FILES = ["tests/test_kernels.py", "tests/test_triton_backend.py",
-               "tests/test_cuda_pipeline.py", "tests/test_gpu_discipline.py"]
+               "tests/test_cuda_pipeline.py", "tests/test_gpu_discipline.py",
+               "tests/test_deferred_finite.py", "tests/test_specialisation.py"]
 
 
 def _gpu_check_env(out: Path, **extra: str) -> dict[str, str]:

@@ -18,11 +18,17 @@ from zenflow_triton.kernels import triton_available
 from .helpers import batches, loss_fn, make_model, params_of
 
 pytestmark = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
+# Compiled kernels on a GPU (bench/gpu_check.sh), the interpreter on CPU tensors elsewhere.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Windows of 4, reselection every 8: steps 1 and 9 reselect, 4 and 8 are boundaries, the
 # others are steady (their check deferred).
 CFG = dict(topk_ratio=0.25, update_interval=4, select_interval=8, min_offload_numel=64,
            backend="triton", check_finite_at="boundary")
+
+
+def _model():
+    return make_model().to(DEVICE)
 
 
 def _opt(model):
@@ -31,7 +37,7 @@ def _opt(model):
 
 def _grads(model, x, poison: bool = False) -> None:
     model.zero_grad()
-    loss_fn(model, x).backward()
+    loss_fn(model, x.to(DEVICE)).backward()
     if poison:
         model.fc1.weight.grad[1, 2] = float("nan")
 
@@ -47,7 +53,7 @@ def _device_state(opt) -> list[torch.Tensor]:
 
 def test_bad_steady_step_raises_at_the_boundary_with_the_masked_steps_undone():
     data = batches(12)
-    model, ref = make_model(), make_model()
+    model, ref = _model(), _model()
     opt, ref_opt = _opt(model), _opt(ref)
     try:
         for x in data[:5]:
@@ -91,7 +97,7 @@ def test_a_save_reads_what_steady_steps_left():
     """state_dict() reads the unread checks first: a bad one raises there (rolled back), and
     the next state_dict() saves the state as after the step before the bad one."""
     data = batches(6)
-    model = make_model()
+    model = _model()
     with _opt(model) as opt:
         for x in data[:5]:
             _grads(model, x)
@@ -110,7 +116,7 @@ def test_a_save_reads_what_steady_steps_left():
 def test_a_bad_step_that_waits_anyway_raises_at_once():
     """A boundary (step 4) reads its own check at once, as check_finite_at="step" does."""
     data = batches(4)
-    model = make_model()
+    model = _model()
     with _opt(model) as opt:
         for x in data[:3]:
             _grads(model, x)

@@ -17,6 +17,7 @@ from zenflow_triton.kernels import triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU
 MULTI = ("scatter_multi._scatter_columns_multi_kernel",
          "selective_adamw_multi._selective_adamw_accumulate_kernel",
          "adamw._adamw_multi_kernel")
@@ -36,20 +37,20 @@ def test_launchers_key_by_shape_not_by_counts():
     from zenflow_triton.kernels import columns, scatter_multi
 
     gen = torch.Generator().manual_seed(0)
-    dst = torch.randn(24, 40, generator=gen)
+    dst = torch.randn(24, 40, generator=gen).to(DEVICE)
     counts = (1, 5, 16, 17, 32)
 
     def run():
         for k in counts:
-            idx = torch.randperm(40, generator=gen)[:k].sort().values
+            idx = torch.randperm(40, generator=gen)[:k].sort().values.to(DEVICE)
             out = columns.gather_columns(dst, idx)
             columns.scatter_columns(dst, idx, out)
         for n in (1, 2, 5):
-            dsts = [torch.randn(24, 40, generator=gen) for _ in range(n)]
-            idxs = [torch.randperm(40, generator=gen)[:k].sort().values
+            dsts = [torch.randn(24, 40, generator=gen).to(DEVICE) for _ in range(n)]
+            idxs = [torch.randperm(40, generator=gen)[:k].sort().values.to(DEVICE)
                     for k in counts[:n]]
-            scatter_multi.scatter_columns_multi(dsts, idxs,
-                                                [torch.randn(24, i.numel()) for i in idxs])
+            scatter_multi.scatter_columns_multi(
+                dsts, idxs, [torch.randn(24, i.numel()).to(DEVICE) for i in idxs])
 
     rec = _keys(run)
     assert rec.distinct() == {"columns._gather_columns_kernel": 1,
@@ -75,8 +76,8 @@ def test_a_run_compiles_per_class_not_per_step():
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24),
-                                torch.nn.Linear(24, 8))
-    extra = torch.nn.Linear(33, 20)
+                                torch.nn.Linear(24, 8)).to(DEVICE)
+    extra = torch.nn.Linear(33, 20).to(DEVICE)
     opt = ZenFlowOptimizer(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2,
                            select_interval=4, min_offload_numel=64, backend="triton")
     gen = torch.Generator().manual_seed(1)
@@ -89,7 +90,7 @@ def test_a_run_compiles_per_class_not_per_step():
                 params = list(model.parameters()) + (list(extra.parameters()) if t >= 40
                                                      else [])
                 for p in params:
-                    p.grad = torch.randn(p.shape, generator=gen)
+                    p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
                 before = len(rec.launches)
                 opt.step()
                 for group in opt.param_groups:
