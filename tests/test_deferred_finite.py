@@ -42,6 +42,12 @@ def _grads(model, x, poison: bool = False) -> None:
         model.fc1.weight.grad[1, 2] = float("nan")
 
 
+def _train(model, opt, data) -> None:
+    for x in data:
+        _grads(model, x)
+        opt.step()
+
+
 def _device_state(opt) -> list[torch.Tensor]:
     out = []
     for st in opt.state.values():
@@ -99,9 +105,7 @@ def test_a_save_reads_what_steady_steps_left():
     data = batches(6)
     model = _model()
     with _opt(model) as opt:
-        for x in data[:5]:
-            _grads(model, x)
-            opt.step()
+        _train(model, opt, data[:5])
         after5 = params_of(model)
         _grads(model, data[5], poison=True)
         opt.step()  # step 6, deferred
@@ -118,9 +122,7 @@ def test_a_bad_step_that_waits_anyway_raises_at_once():
     data = batches(4)
     model = _model()
     with _opt(model) as opt:
-        for x in data[:3]:
-            _grads(model, x)
-            opt.step()
+        _train(model, opt, data[:3])
         _grads(model, data[3], poison=True)
         with pytest.raises(NonFiniteGradientError, match="no optimizer state was changed by this"):
             opt.step()

@@ -280,6 +280,17 @@ SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
              "failure-host-acc": lambda rank: _failure_scenario(rank, "host")}
 
 
+def _one_process(cfg: dict):
+    """The single-process run on the whole batches: its model, selections and host rows."""
+    model = make_model()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **cfg) as opt:
+        train(model, opt, batches())
+        opt.synchronize()
+        idx = [s["device_idx"].clone() for s in opt.state.values() if "device_idx" in s]
+        rows = [s["host_master"].shape[0] for s in opt.state.values() if "host_master" in s]
+    return model, idx, rows
+
+
 def spawn(scenario: str, tmp_path, world: int = WORLD) -> list[dict]:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), scenario,
@@ -329,14 +340,8 @@ def test_ranks_agree_and_follow_one_process_on_the_whole_batch(tmp_path, world, 
     for res in ranks:  # the device accumulators hold this rank's rows only
         assert res["acc_rows"] == res["host_rows"], res["acc_rows"]
 
-    model = make_model()
-    with ZenFlowOptimizer(model.parameters(), lr=LR, **CFG) as opt:
-        train(model, opt, batches())
-        opt.synchronize()
-        single_idx = [s["device_idx"].clone() for s in opt.state.values()
-                      if "device_idx" in s]
-        assert [s["host_master"].shape[0] for s in opt.state.values()
-                if "host_master" in s] == [32, 16]
+    model, single_idx, single_rows = _one_process(CFG)
+    assert single_rows == [32, 16]
     for x, y in zip(a["device_idx"], single_idx):
         assert torch.equal(x, y)  # the same selections
     assert_trajectories_close(a["params"], [p.detach() for p in model.parameters()],
@@ -416,19 +421,14 @@ def test_every_mode_follows_one_process(tmp_path, mode):
     """DDP on 2 ranks against one process on the whole batch, in each mode of ``MODES``:
     the same params on every rank, the same selections as one process, and the one
     process's trajectory to fp32 rounding (bf16 state: plus the bf16 rounding that an
-    fp32 difference of the all-reduced gradient can flip, per window). A rank that added, kept or wrote the wrong rows would be
-    off by whole updates (0.19 in a run tried on purpose with a wrong row offset)."""
+    fp32 difference of the all-reduced gradient can flip, per window). A rank that added,
+    kept or wrote the wrong rows would be off by whole updates (0.19 in a run tried on
+    purpose with a wrong row offset)."""
     ranks = spawn(f"train-{mode}", tmp_path)
     a, b = ranks
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)
-    cfg = {**CFG, **MODES[mode]}
-    model = make_model()
-    with ZenFlowOptimizer(model.parameters(), lr=LR, **cfg) as opt:
-        train(model, opt, batches())
-        opt.synchronize()
-        single_idx = [s["device_idx"].clone() for s in opt.state.values()
-                      if "device_idx" in s]
+    model, single_idx, _ = _one_process({**CFG, **MODES[mode]})
     for x, y in zip(a["device_idx"], single_idx):
         assert torch.equal(x, y)
     want = [p.detach() for p in model.parameters()]
