@@ -94,13 +94,9 @@ class RowShard:
             for i, t in zip(members, full):
                 out[i] = t
         if agree is not None:
-            failure, what = agree
-            if failure is not None:
-                raise failure
-            if failed:
-                raise ShardError(f"{what} failed on rank(s) {sorted(failed)}; this rank cannot "
-                                 "go on (load the last checkpoint into a new optimizer on every "
-                                 "rank)")
+            if agree[0] is not None:
+                raise agree[0]
+            _raise_failed(sorted(failed), agree[1])
         return out
 
     def _gather_kind(self, parts: Sequence[torch.Tensor], totals: Sequence[int],
@@ -153,10 +149,7 @@ class RowShard:
             raise e from failure
         if failure is not None:
             raise failure
-        failed = [r for r, f in enumerate(flags.tolist()) if f]
-        if failed:
-            raise ShardError(f"{what} failed on rank(s) {failed}; this rank cannot go on "
-                             "(load the last checkpoint into a new optimizer on every rank)")
+        _raise_failed([r for r, f in enumerate(flags.tolist()) if f], what)
 
     def _wait(self, work, what: str) -> None:
         """Wait for an async collective, bounded by ``timeout``: a rank that never joins it
@@ -166,3 +159,11 @@ class RowShard:
         except Exception as e:
             raise ShardError(f"{what}: the other ranks did not join within {self.timeout} s "
                              f"({type(e).__name__}: {e})") from e
+
+
+def _raise_failed(failed: Sequence[int], what: str) -> None:
+    """The outcome of a vote on a rank where ``what`` succeeded: a :class:`ShardError` naming
+    the ranks where it failed, if any."""
+    if failed:
+        raise ShardError(f"{what} failed on rank(s) {list(failed)}; this rank cannot go on "
+                         "(load the last checkpoint into a new optimizer on every rank)")
