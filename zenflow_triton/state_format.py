@@ -273,25 +273,22 @@ def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
                                           if isinstance(i, int) and isinstance(st, dict))
              if st.get("kind") == MATRIX
              for key in ROW_SHARDED if isinstance(st.get(key), torch.Tensor)]
-    batch: list[tuple[int, str]] = []
+    batches: list[list[tuple[int, str]]] = [[]]
     size = 0
-    for item in items + [None]:
-        if item is not None:
-            i, key = item
-            t = state[i][key]
-            full_bytes = view2d(params[i]).shape[0] * t.shape[1] * t.element_size()
-            if not batch or size + full_bytes <= GATHER_BYTES:
-                batch.append(item)
-                size += full_bytes
-                continue
-        if batch:
-            full = shard.gather_rows([state[i][key].to(shard.device) for i, key in batch],
-                                     [view2d(params[i]).shape[0] for i, _ in batch],
-                                     what=_SAVE_GATHER)
-            for (i, key), t in zip(batch, full):
-                state[i][key] = t.cpu()
-        if item is not None:
-            batch, size = [item], full_bytes
+    for i, key in items:
+        t = state[i][key]
+        full_bytes = view2d(params[i]).shape[0] * t.shape[1] * t.element_size()
+        if batches[-1] and size + full_bytes > GATHER_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append((i, key))
+        size += full_bytes
+    for batch in filter(None, batches):
+        full = shard.gather_rows([state[i][key].to(shard.device) for i, key in batch],
+                                 [view2d(params[i]).shape[0] for i, _ in batch],
+                                 what=_SAVE_GATHER)
+        for (i, key), t in zip(batch, full):
+            state[i][key] = t.cpu()
 
 
 def adamw_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
