@@ -39,7 +39,7 @@ def _accumulate_columns_kernel(
                                              BLOCK_R, BLOCK_K)
     g = tl.load(g_ptr + offs_r[:, None] * stride_gr + (cols * stride_gc)[None, :],
                 mask=mask, other=0.0).to(tl.float32)
-    acc_ptrs = acc_ptr + offs_r[:, None] * stride_ar + (offs_k.to(tl.int64) * stride_ac)[None, :]
+    acc_ptrs = acc_ptr + offs_r[:, None] * stride_ar + (offs_k * stride_ac)[None, :]
     acc = tl.load(acc_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(acc_ptrs, cast_rtne(acc + scale * g, acc_ptrs.dtype.element_ty, SOFT_BF16),
              mask=mask)  # scale 1.0 is exact: same as acc + g

@@ -43,7 +43,7 @@ def _column_scores_kernel(
     for r0 in range(r_start, r_end, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask = (offs_r < r_end)[:, None] & mask_c[None, :]
-        ptrs = g_ptr + (offs_r.to(tl.int64) * stride_gr)[:, None] + col_off[None, :]
+        ptrs = g_ptr + (offs_r * stride_gr)[:, None] + col_off[None, :]
         g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         if L1:
             acc += tl.abs(g)

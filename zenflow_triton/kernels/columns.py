@@ -43,7 +43,8 @@ def cast_rtne(x, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
 def column_tile(pid, rows, k, idx_ptr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """The tile of program ``pid`` in a 1-D grid over [rows, k] (k fastest, so neighbouring
     programs share rows): row offsets, compact column offsets, the selected column indices
-    ``idx[offs_k]`` (int64) and the in-bounds mask. Every column kernel starts with this."""
+    ``idx[offs_k]`` (all int64, so products with strides need no cast) and the in-bounds
+    mask. Every column kernel starts with this."""
     pid = pid.to(tl.int64)  # every index below in int64: a param may pass 2**31 elements
     k_blocks = tl.cdiv(k, BLOCK_K)
     offs_r = (pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -79,7 +80,7 @@ def _scatter_columns_kernel(
     # dst[r, idx[j]] = src[r, j]. 1-D grid, k fastest.
     offs_r, offs_k, cols, mask = column_tile(tl.program_id(0), rows, k, idx_ptr,
                                              BLOCK_R, BLOCK_K)
-    x = tl.load(src_ptr + offs_r[:, None] * stride_sr + (offs_k.to(tl.int64) * stride_sc)[None, :],
+    x = tl.load(src_ptr + offs_r[:, None] * stride_sr + (offs_k * stride_sc)[None, :],
                 mask=mask)
     tl.store(dst_ptr + offs_r[:, None] * stride_dr + (cols * stride_dc)[None, :],
              cast_rtne(x, dst_ptr.dtype.element_ty, SOFT_BF16), mask=mask)

@@ -44,7 +44,7 @@ def _scatter_columns_multi_kernel(
     src_ptr = tl.load(row + 2).to(tl.pointer_type(src_like_ptr.dtype.element_ty))
     dst_ptr = tl.load(row + 0).to(tl.pointer_type(dst_like_ptr.dtype.element_ty))
     x = tl.load(src_ptr + offs_r[:, None] * tl.load(row + 7)
-                + (offs_k.to(tl.int64) * tl.load(row + 8))[None, :], mask=mask)
+                + (offs_k * tl.load(row + 8))[None, :], mask=mask)
     tl.store(dst_ptr + offs_r[:, None] * tl.load(row + 5) + (cols * tl.load(row + 6))[None, :],
              cast_rtne(x, dst_like_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 

@@ -83,7 +83,7 @@ def _selective_adamw_accumulate_kernel(
                                                  BLOCK_R, BLOCK_K)
         g = tl.load(g_ptr + offs_r[:, None] * g_sr + (cols * g_sc)[None, :],
                     mask=mask, other=0.0).to(tl.float32)
-        acc_at = offs_r[:, None] * n + offs_k.to(tl.int64)[None, :]
+        acc_at = offs_r[:, None] * n + offs_k[None, :]
         if ACC_BF16:  # as accumulate_columns at scale 1.0: an fp32 add, rounded to nearest
             acc_ptrs = tl.load(row + 6).to(tl.pointer_type(tl.bfloat16)) + acc_at
             acc = tl.load(acc_ptrs, mask=mask, other=0.0).to(tl.float32)
