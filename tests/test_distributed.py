@@ -124,14 +124,24 @@ def _collectives_scenario(rank: int) -> dict:
 
 MODES = {"host-acc": dict(accumulate_on="host"),
          "bf16-state": dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16"),
-         "sync": dict(overlap=False)}
+         "sync": dict(overlap=False),
+         # The adaptive host step size where its trust cap does not bind (at LR the cap is
+         # 1: 0.01 * rms(w) / LR < 1): a multiplier between sqrt(4) and 4 that the moments
+         # decide, from every rank's rows.
+         "adaptive": dict(update_interval=4, select_interval=8, lr=2e-4)}
+
+
+def mode_config(mode: str | None) -> tuple[float, dict]:
+    """(lr, config fields) of a mode of ``MODES``."""
+    cfg = {**CFG, **MODES.get(mode, {})}
+    return cfg.pop("lr", LR), cfg
 
 
 def _train_scenario(rank: int, backend: str = "torch", mode: str | None = None) -> dict:
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, backend=backend,
-                           **{**CFG, **MODES.get(mode, {})})
+    lr, cfg = mode_config(mode)
+    opt = ZenFlowOptimizer(model.parameters(), lr=lr, backend=backend, **cfg)
     train(ddp, opt, batches(), rank, WORLD)
     acc_rows = [s["acc"].shape[0] for s in opt.state.values()
                 if isinstance(s.get("acc"), torch.Tensor)]
@@ -144,7 +154,7 @@ def _train_scenario(rank: int, backend: str = "torch", mode: str | None = None) 
                           if "host_master" in s],
                acc_rows=acc_rows,
                world=st["world_size"], rank=st["rank"], host_updates=st["host_updates"],
-               migrated=st["columns_migrated"])
+               migrated=st["columns_migrated"], multiplier=st["host_lr_multiplier_mean"])
     opt.close()
     return out
 
@@ -280,10 +290,10 @@ SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
              "failure-host-acc": lambda rank: _failure_scenario(rank, "host")}
 
 
-def _one_process(cfg: dict):
+def _one_process(cfg: dict, lr: float = LR):
     """The single-process run on the whole batches: its model, selections and host rows."""
     model = make_model()
-    with ZenFlowOptimizer(model.parameters(), lr=LR, **cfg) as opt:
+    with ZenFlowOptimizer(model.parameters(), lr=lr, **cfg) as opt:
         train(model, opt, batches())
         opt.synchronize()
         idx = [s["device_idx"].clone() for s in opt.state.values() if "device_idx" in s]
@@ -428,12 +438,15 @@ def test_every_mode_follows_one_process(tmp_path, mode):
     a, b = ranks
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)
-    model, single_idx, _ = _one_process({**CFG, **MODES[mode]})
+    if mode == "adaptive":  # the moments, not a bound, decided it: strictly between
+        assert 2.0 < a["multiplier"] < 4.0 and a["multiplier"] == b["multiplier"], (a, b)
+    lr, cfg = mode_config(mode)
+    model, single_idx, _ = _one_process(cfg, lr)
     for x, y in zip(a["device_idx"], single_idx):
         assert torch.equal(x, y)
     want = [p.detach() for p in model.parameters()]
     if mode != "bf16-state":
-        assert_trajectories_close(a["params"], want, STEPS, LR * CFG["update_interval"])
+        assert_trajectories_close(a["params"], want, STEPS, lr * cfg["update_interval"])
         return
     # bf16 accumulators and moments: an fp32-rounding difference of the all-reduced gradient
     # can flip a bf16 rounding (2**-8 relative) of an accumulator or a moment, which moves
@@ -450,18 +463,23 @@ def test_every_mode_follows_one_process(tmp_path, mode):
 
 
 def test_collective_waits_per_step(tmp_path):
-    """Under DDP the library waits on collectives only at apply points and reselections, and
-    an apply waits on one: the all-gather of the results' rows carries every rank's vote on
-    whether its host work succeeded (``RowShard.gather_rows(agree=...)``). Windows of 2,
-    reselection every 4 (steps 1 and 5): steps 3 and 7 wait on none; steps 4 and 8 apply
-    (one); steps 2 and 6 launch after a reselection and have nothing to apply (the vote
-    alone: one); step 5 applies and migrates (two: the results, the leaving columns' rows);
-    step 1 selects for the first time (the vote, the rows). Host reads at an apply: the
-    finite check's and the vote's."""
+    """Under DDP the library waits on collectives only at apply points, launches and
+    reselections, and an apply waits on one: the all-gather of the results' rows carries
+    every rank's vote on whether its host work succeeded (``RowShard.gather_rows(agree=...)``);
+    a launch adds the all-reduce of the adaptive step sizes' statistics (every rank's rows).
+    Windows of 2, reselection every 4 (steps 1 and 5): steps 3 and 7 wait on none; steps 4
+    and 8 apply and launch (two); steps 2 and 6 launch after a reselection and have nothing
+    to apply (the vote alone, the statistics: two); step 5 applies and migrates (two: the
+    results, the leaving columns' rows); step 1 selects for the first time (the vote, the
+    rows). Host reads at an apply and launch: the finite check's, the vote's, the
+    statistics'."""
     for res in spawn("collectives", tmp_path):
         assert res["refreshes"] == 2 and res["host_updates"] == 4
         counts = [len(w) for w in res["per_step"]]
-        assert counts == [2, 1, 0, 1, 2, 1, 0, 1], res["per_step"]
+        assert counts == [2, 2, 0, 2, 2, 2, 0, 2], res["per_step"]
+        for t in (2, 4, 6, 8):
+            assert res["per_step"][t - 1][-1].startswith("an all-reduce of the adaptive"), \
+                res["per_step"]
         for t in (4, 8):
-            assert res["syncs"][t - 1].get(".tolist()") == 2, res["syncs"][t - 1]
+            assert res["syncs"][t - 1].get(".tolist()") == 3, res["syncs"][t - 1]
             assert "HostWorker.wait" in res["syncs"][t - 1]

@@ -10,7 +10,8 @@ import torch
 
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.host.step_size import (SAMPLE, TRUST, adaptive_multiplier, multiplier,
-                                           signal_fraction, trust_cap)
+                                           multiplier_of_sums, sample_sums, signal_fraction,
+                                           trust_cap)
 
 B1, B2 = 0.9, 0.999
 
@@ -101,6 +102,27 @@ def test_large_params_are_sampled_deterministically_and_bf16_moments_work():
     assert 0.0 < a < 1.0
     b = signal_fraction(m.bfloat16(), v.bfloat16(), 6, B1, B2)
     assert b == pytest.approx(a, abs=0.02)
+
+
+@pytest.mark.parametrize("rows,splits", [(6, [2, 4]), (7, [3]), (5, [0, 1, 5])])
+def test_rows_of_a_host_half_sample_what_the_whole_samples(rows, splits):
+    """Under data parallelism each rank sums the sample of its rows (``sample_sums`` with the
+    rows' flat offset); the sums over the ranks are the whole host half's (the same
+    elements, to float64 rounding), so the multiplier is one process's. Wide rows (a stride
+    over the sample) and narrow ones (every element); a rank with no rows adds nothing."""
+    torch.manual_seed(2)
+    for width in (4 * SAMPLE // rows + 5, 33):
+        m, v = adam_moments(torch.randn(8, rows, width) + 0.3)
+        w = torch.randn(rows, width) * 0.05
+        whole = sample_sums(w, m, v)
+        bounds = [0, *splits, rows]
+        parts = sum(sample_sums(w[a:b], m[a:b], v[a:b], a * width, rows * width)
+                    for a, b in zip(bounds, bounds[1:]))
+        assert parts[3] == whole[3]  # the same number of elements: the same elements
+        assert parts == pytest.approx(whole, rel=1e-12)
+        for lr in (1e-4, 1e-6):
+            assert multiplier_of_sums(parts, 8, 9, B1, B2, lr) == pytest.approx(
+                adaptive_multiplier(w, m, v, 8, 9, B1, B2, lr), rel=1e-9)
 
 
 def test_the_optimizer_steps_a_steady_gradient_by_n_once_it_has_history():

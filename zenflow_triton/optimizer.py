@@ -51,7 +51,7 @@ from .state_format import (SD_KEY, SD_VERSION, adamw_state_dict, check_group_fla
                            config_change, gather_host_halves, misplaced, pack, read,
                            restore_param_state)
 from .transfer import Link
-from .windows import apply_results, close_window
+from .windows import apply_results, close_window, share_adaptive_sums
 
 
 class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
@@ -334,6 +334,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                    if isinstance(st, dict) and st.get("kind") == MATRIX and st["acc_count"]]
         if not windows:
             return
+        windows = share_adaptive_sums(windows, self._shard)
         self._counters["host_updates"] += 1
         self._pipeline.launch(windows, apply_now, f"host AdamW of step {self._global_step}")
 

@@ -131,6 +131,18 @@ class RowShard:
             off += size
         return out, flags
 
+    def all_reduce_sum(self, t: torch.Tensor, what: str) -> list:
+        """The sum over ranks of ``t`` (a small host tensor), read back as ``tolist()`` (one
+        host read): every rank gets the same values. One all-reduce, bounded by
+        ``timeout``."""
+        if not self.sharded:
+            return t.tolist()
+        import torch.distributed as dist
+
+        buf = t.to(self.device, copy=True)
+        self._wait(dist.all_reduce(buf, group=self.group, async_op=True), what)
+        return buf.tolist()
+
     def agree(self, failure: BaseException | None, what: str) -> None:
         """Every rank says whether ``what`` failed on it; if any did, every rank raises (its
         own error where it failed, a :class:`ShardError` naming the failed ranks elsewhere).

@@ -4,10 +4,13 @@ applied into the param's host-owned columns."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .config import ZenFlowConfig
 from .host import HostHyper, Window
+from .host.step_size import SUMS, sample_sums
 from .partition import view2d
 
 
@@ -40,10 +43,33 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                       step=st["host_step"], grad_divisor=float(count),
                       adaptive_window=config.adaptive_window(count, warmup))
+    if sharded and hyper.adaptive_window:  # this rank's part; share_adaptive_sums adds them
+        r0, _ = shard.rows(p2d.shape[0])
+        width = st["host_master"].shape[1]
+        hyper = replace(hyper, adaptive_sums=tuple(sample_sums(
+            st["host_master"], st["host_m"], st["host_v"], r0 * width, p2d.shape[0] * width)))
     rows = (shard.rows(p2d.shape[0])  # the accumulators hold only this rank's rows
             if sharded and source == "direct" else None)
     return Window(p, st["host_master"], st["host_m"], st["host_v"], hyper, source, grad,
                   store_into, p.detach() if needs_box else None, rows)
+
+
+def share_adaptive_sums(windows: list[Window], shard) -> list[Window]:
+    """Under data parallelism: the adaptive step size of each window from every rank's rows
+    of its host half, as one process would take it. Each rank's ``close_window`` sampled its
+    own rows (at the positions the whole host half would sample); one all-reduce adds them,
+    so every rank resolves the same multiplier. The moments are final here: no host job is
+    in flight when a window launches."""
+    mine = [i for i, w in enumerate(windows) if w.hyper.adaptive_sums is not None]
+    if not mine or not shard.sharded:
+        return windows
+    parts = torch.tensor([windows[i].hyper.adaptive_sums for i in mine], dtype=torch.float64)
+    assert parts.shape[1] == SUMS
+    total = shard.all_reduce_sum(parts, "an all-reduce of the adaptive step sizes' statistics")
+    out = list(windows)
+    for i, sums in zip(mine, total):
+        out[i] = replace(out[i], hyper=replace(out[i].hyper, adaptive_sums=tuple(sums)))
+    return out
 
 
 def apply_results(pending: list[tuple[torch.Tensor, dict]], boxed: dict, *, link, shard, ops,

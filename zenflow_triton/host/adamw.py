@@ -87,6 +87,8 @@ class HostHyper:
     ``adaptive_window``: 0, or the window's gradient count ``n`` when ``lr`` is still to be
     multiplied by the adaptive step size (``step_size.adaptive_multiplier``), which the job
     resolves from the moments just before the update (``resolve_adaptive``).
+    ``adaptive_sums``: the statistics it reads (``step_size.sample_sums``) when the caller
+    has them already: under data parallelism, summed over every rank's rows.
     """
 
     lr: float
@@ -97,6 +99,7 @@ class HostHyper:
     step: int
     grad_divisor: float = 1.0
     adaptive_window: int = 0
+    adaptive_sums: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

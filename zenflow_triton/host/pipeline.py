@@ -44,7 +44,7 @@ import torch
 from ..transfer import CopyIn, Link, host_empty
 from .adamw import HostAdamW, HostHyper, PieceIO
 from .outbox import Outboxes
-from .step_size import adaptive_multiplier
+from .step_size import multiplier_of_sums, sample_sums
 from .worker import HostJob, HostWorker
 
 Source = Literal["direct", "device_acc", "host_acc"]
@@ -396,14 +396,18 @@ class HostPipeline:
 def resolve_adaptive(tasks: list, keys: Sequence[Hashable]
                      ) -> tuple[list, dict[Hashable, float]]:
     """``tasks`` with every adaptive learning rate resolved (``HostHyper.adaptive_window``):
-    lr times the multiplier that the task's moments give; and those multipliers by key."""
+    lr times the multiplier that the task's moments give (or its ``adaptive_sums``, given);
+    and those multipliers by key."""
     out, record = [], {}
     for key, task in zip(keys, tasks):
         h = task[4]
         if h.adaptive_window:
-            c = adaptive_multiplier(task[0], task[2], task[3], h.adaptive_window, h.step,
-                                    h.beta1, h.beta2, h.lr)
+            sums = h.adaptive_sums
+            if sums is None:
+                sums = sample_sums(task[0], task[2], task[3])
+            c = multiplier_of_sums(sums, h.adaptive_window, h.step, h.beta1, h.beta2, h.lr)
             record[key] = c
-            task = task[:4] + (replace(h, lr=h.lr * c, adaptive_window=0),) + task[5:]
+            task = task[:4] + (replace(h, lr=h.lr * c, adaptive_window=0,
+                                       adaptive_sums=None),) + task[5:]
         out.append(task)
     return out, record

@@ -45,12 +45,48 @@ priori, not fitted: about ten fine-tuning AdamW steps (lr 2e-5 on weights of RMS
 them 0.07% a step)."""
 
 
-def _sample(t: torch.Tensor) -> np.ndarray:
+SUMS = 4
+"""The statistics one estimate reads: sum of ``m^2``, sum of ``v``, sum of ``w^2``, and how
+many elements were sampled; sums over parts of a host half (a rank's rows) add up."""
+
+
+def _sample(t: torch.Tensor, offset: int = 0, total: int | None = None) -> np.ndarray:
+    """The sampled elements of ``t`` (float64): every ``stride``-th element of a flat host
+    half of ``total`` elements (``t`` itself by default), of which ``t`` holds the
+    ``t.numel()`` from ``offset`` on (a rank's rows); so the parts of a host half sample
+    exactly the elements the whole would."""
     flat = t.reshape(-1)
-    if flat.numel() > SAMPLE:
-        stride = (flat.numel() // SAMPLE) | 1  # odd: spreads over the columns of any width
-        flat = flat[::stride]
+    total = flat.numel() if total is None else total
+    stride = (total // SAMPLE) | 1 if total > SAMPLE else 1  # odd: spreads over the columns
+    if stride > 1 or offset:
+        flat = flat[(-offset) % stride::stride]
     return flat.to(torch.float32).numpy().astype(np.float64)
+
+
+def sample_sums(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, offset: int = 0,
+                total: int | None = None) -> np.ndarray:
+    """The :data:`SUMS` statistics (float64) of the sampled elements of a host half's master
+    and moments, or of its part from flat element ``offset`` on (of ``total``): a rank's
+    rows; the parts' sums add up to the whole's, to float64 rounding."""
+    ms, vs, ws = (_sample(t, offset, total) for t in (m, v, master))
+    return np.array([np.sum(ms * ms), np.sum(vs), np.dot(ws, ws), ws.size], dtype=np.float64)
+
+
+def _fraction(sum_m2: float, sum_v: float, count: float, steps: int, beta1: float,
+              beta2: float) -> float:
+    if steps < 2 or count == 0:
+        return 0.0
+    bc1 = 1.0 - beta1 ** steps
+    bc2 = 1.0 - beta2 ** steps
+    den = sum_v / bc2
+    if not den > 0.0 or not math.isfinite(den):
+        return 0.0
+    ratio = sum_m2 / (bc1 * bc1) / den
+    f = (1.0 - beta1) * (1.0 + beta1 ** steps) / ((1.0 + beta1) * bc1)
+    if f >= 1.0:
+        return 0.0
+    rho = (ratio - f) / (1.0 - f)
+    return min(1.0, max(0.0, rho)) if math.isfinite(rho) else 0.0
 
 
 def signal_fraction(m: torch.Tensor, v: torch.Tensor, steps: int, beta1: float,
@@ -60,17 +96,7 @@ def signal_fraction(m: torch.Tensor, v: torch.Tensor, steps: int, beta1: float,
     if steps < 2 or m.numel() == 0:
         return 0.0
     ms, vs = _sample(m), _sample(v)
-    bc1 = 1.0 - beta1 ** steps
-    bc2 = 1.0 - beta2 ** steps
-    den = float(np.sum(vs)) / bc2
-    if not den > 0.0 or not math.isfinite(den):
-        return 0.0
-    ratio = float(np.sum(ms * ms)) / (bc1 * bc1) / den
-    f = (1.0 - beta1) * (1.0 + beta1 ** steps) / ((1.0 + beta1) * bc1)
-    if f >= 1.0:
-        return 0.0
-    rho = (ratio - f) / (1.0 - f)
-    return min(1.0, max(0.0, rho)) if math.isfinite(rho) else 0.0
+    return _fraction(float(np.sum(ms * ms)), float(np.sum(vs)), ms.size, steps, beta1, beta2)
 
 
 def multiplier(n: int, rho: float) -> float:
@@ -82,15 +108,28 @@ def multiplier(n: int, rho: float) -> float:
     return n / math.sqrt(rho + n * (1.0 - rho))
 
 
+def _cap(sum_w2: float, count: float, lr: float) -> float:
+    if not lr > 0.0:
+        return math.inf
+    rms = math.sqrt(sum_w2 / count) if count else 0.0
+    return max(1.0, TRUST * rms / lr)
+
+
 def trust_cap(master: torch.Tensor, lr: float) -> float:
     """The largest multiplier whose host step changes the param's host half by at most
     ``TRUST`` of its RMS: an Adam step moves an element by about ``lr``, so a step of
     multiplier ``c`` by about ``c * lr``; never below 1 (one ordinary AdamW step)."""
-    if not lr > 0.0:
-        return math.inf
     w = _sample(master)
-    rms = math.sqrt(float(np.dot(w, w)) / w.size) if w.size else 0.0
-    return max(1.0, TRUST * rms / lr)
+    return _cap(float(np.dot(w, w)), w.size, lr)
+
+
+def multiplier_of_sums(sums, n: int, step: int, beta1: float, beta2: float,
+                       lr: float) -> float:
+    """:func:`adaptive_multiplier` from a host half's :func:`sample_sums` (summed over its
+    parts: every rank's rows under data parallelism)."""
+    sum_m2, sum_v, sum_w2, count = (float(x) for x in sums)
+    rho = _fraction(sum_m2, sum_v, count, step - 1, beta1, beta2)
+    return min(multiplier(n, rho), _cap(sum_w2, count, lr))
 
 
 def adaptive_multiplier(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, n: int,
@@ -98,5 +137,4 @@ def adaptive_multiplier(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
     """The multiplier of host step ``step`` (1-based) on a window of ``n`` gradients at base
     learning rate ``lr``, from the master and moments as they are before it (``step - 1``
     steps): the drift-matching multiplier, at most :func:`trust_cap`."""
-    return min(multiplier(n, signal_fraction(m, v, step - 1, beta1, beta2)),
-               trust_cap(master, lr))
+    return multiplier_of_sums(sample_sums(master, m, v), n, step, beta1, beta2, lr)
