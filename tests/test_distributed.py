@@ -71,7 +71,12 @@ def _worker(rank: int, world: int, store: str, scenario: str, out: str) -> None:
                             world_size=world)
     result = {}
     try:
-        result = SCENARIOS[scenario](rank)
+        if ":" in scenario:  # another test module's scenario: "module:function"
+            import importlib
+            module, name = scenario.split(":")
+            result = getattr(importlib.import_module(module), name)(rank)
+        else:
+            result = SCENARIOS[scenario](rank)
     except BaseException as e:
         result = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
     finally:
@@ -206,8 +211,9 @@ def _resume_scenario(rank: int) -> dict:
     return dict(res, full_rows=res["extra"])
 
 
-def _failure_scenario(rank: int, accumulate_on: str = "device") -> dict:
-    """Rank 1's second host job (or, with host accumulation, its fourth host add) raises."""
+def inject_host_failure(rank: int, accumulate_on: str = "device") -> None:
+    """From now on, in this process: rank 1's second host job (or, with host accumulation,
+    its fourth host add) raises."""
     from zenflow_triton.host import HostAdamW, HostWorker
 
     if rank == 1:
@@ -232,6 +238,11 @@ def _failure_scenario(rank: int, accumulate_on: str = "device") -> dict:
                             raise ArithmeticError("injected host failure on rank 1")
                 return real_submit(self, fn, label)
             HostWorker.submit = submit
+
+
+def _failure_scenario(rank: int, accumulate_on: str = "device") -> dict:
+    """Rank 1's second host job (or, with host accumulation, its fourth host add) raises."""
+    inject_host_failure(rank, accumulate_on)
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = ZenFlowOptimizer(model.parameters(), lr=LR,
@@ -268,21 +279,7 @@ def _dcp_scenario(rank: int) -> dict:
     return dict(res, full=res["extra"], path=path)
 
 
-def _fsdp2_scenario(rank: int) -> dict:
-    """FSDP2 (fully_shard) makes the params DTensors: refused by name, at construction."""
-    from torch.distributed.fsdp import fully_shard
-
-    model = make_model()
-    fully_shard(model)
-    try:
-        ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
-    except TypeError as e:
-        return dict(refused=str(e))
-    return dict(refused=None)
-
-
 SCENARIOS = {"train": _train_scenario, "resume": _resume_scenario,
-             "fsdp2": _fsdp2_scenario,
              "train-triton": lambda rank: _train_scenario(rank, "triton"),
              **{f"train-{m}": (lambda rank, m=m: _train_scenario(rank, mode=m)) for m in MODES},
              "collectives": _collectives_scenario,
@@ -388,11 +385,6 @@ def test_sharded_checkpoint_resumes_and_loads_into_one_process(tmp_path):
                 assert torch.equal(mine["state"][i][key].cpu(), value.cpu()), (i, key)
             else:
                 assert mine["state"][i][key] == value, (i, key)
-
-
-def test_fsdp2_params_are_refused_by_name(tmp_path):
-    for res in spawn("fsdp2", tmp_path):
-        assert res["refused"] and "DTensor" in res["refused"] and "FSDP2" in res["refused"]
 
 
 @pytest.mark.parametrize("scenario", ["failure", "failure-host-acc"])

@@ -43,9 +43,13 @@ def _by_device(work: Work) -> dict[torch.device, list[tuple[torch.Tensor, torch.
 
 
 class FiniteWatch:
-    def __init__(self, at_boundary: bool, name_of: Callable[[torch.Tensor], str]) -> None:
+    def __init__(self, at_boundary: bool, name_of: Callable[[torch.Tensor], str],
+                 vote: Callable[[list[bool]], list[bool]] | None = None) -> None:
+        """``vote``: where each rank checks only its rows of the gradients (FSDP2), every
+        rank's flags per param of a step (in the step's order) ORed, so all raise alike."""
         self.at_boundary = at_boundary
         self._name_of = name_of
+        self._vote = vote
         self._pending: list[_Deferred] = []
         self._skip: dict[torch.device, torch.Tensor] = {}
 
@@ -112,6 +116,10 @@ class FiniteWatch:
         for device, items in current.items():
             flags = reads[device][offsets[device]:]
             bad += [p for (p, g), flag in zip(items, flags) if flag and confirm_nonfinite(g)]
+        if self._vote is not None and work:
+            mine = {id(p) for p in bad}
+            voted = self._vote([id(p) in mine for _, p, _ in work])
+            bad = [p for (_, p, _), flag in zip(work, voted) if flag]
         if bad:
             raise NonFiniteGradientError(
                 f"non-finite gradient (NaN or inf) in {self._names(bad)}; no optimizer state "

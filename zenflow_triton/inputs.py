@@ -1,5 +1,5 @@
 """The optimizer's inputs, checked before anything changes: the params at construction
-(real floating point, not DTensors, a layout a column split can view) and the gradients of
+(real floating point, DTensors only as FSDP2 shards them, a layout a column split can view) and the gradients of
 each step (dense, real, of the param's shape, and optionally finite)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from .fsdp import check_param, is_dtensor, local
 from .partition import MATRIX, splittable
 
 
@@ -32,13 +33,9 @@ def check_params(param_groups: list[dict], kind_of: Callable[[torch.Tensor], str
             if not p.is_floating_point():
                 raise TypeError(f"{name_of(p)} has dtype {p.dtype}; only floating-point "
                                 "params can be optimized")
-            if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ \
-                    == "DTensor":
-                raise TypeError(
-                    f"{name_of(p)} is a DTensor (FSDP2's fully_shard or tensor parallelism); "
-                    "ZenFlowOptimizer supports replicated params (DDP) only: it shards the "
-                    "host work across ranks itself")
-            if kind_of(p) == MATRIX and not splittable(p):
+            if is_dtensor(p):
+                check_param(p, name_of(p))
+            if kind_of(p) == MATRIX and not splittable(local(p)):
                 raise ValueError(
                     f"{name_of(p)} has strides {p.stride()}, in which its rows (dim 0) are "
                     "not the outermost dim of a dense layout; column-split params need one "

@@ -39,6 +39,8 @@ from .config import ZenFlowConfig, check_hyper
 from .faults import OptimizerFailedError, StepGuard
 from .host import HostAdamW, HostPipeline, HostWorker, HostWorkerError
 from .finite_watch import FiniteWatch
+from .fsdp import (LocalState, is_dtensor, local, localize, mesh_group, state_as_dtensors,
+                   state_as_local)
 from .inputs import NonFiniteGradientError, Work, check_params, collect
 from .device_half import DeviceHalf
 from .kernels import KernelOps, get_ops, resolve_backend
@@ -65,7 +67,9 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         process_group: data parallelism (DDP: the gradients are averaged before ``step()``):
             the ``torch.distributed`` group whose ranks share the host work, each keeping
             and updating only its rows of every host half (``shard``); None: the default
-            group when torch.distributed is initialized, else a single process.
+            group when torch.distributed is initialized, else a single process. Params of a
+            model wrapped with FSDP2's ``fully_shard`` (DTensors sharded by rows on a 1-D
+            mesh): each rank works on its own rows (``fsdp``), over the mesh's group.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
@@ -85,10 +89,15 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                                       weight_decay=weight_decay))
         self._check_hyper()
         check_params(self.param_groups, self._kind, self._param_name)
+        self._states = LocalState(self.state, self._params())
         self._backend = resolve_backend(self.config.backend, self._params())
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
-        self._shard = RowShard(process_group, timeout=self.config.host_timeout)
+        # FSDP2 split the rows already: the ranks reduce and vote over the mesh's group.
+        mesh = mesh_group(self._params())
+        self._shard = RowShard(process_group if process_group is not None or mesh is None
+                               else mesh, timeout=self.config.host_timeout,
+                               split_rows=mesh is None)
         threads = self.config.host_threads or max(1, torch.get_num_threads())
         self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout,
                                      cores=self.config.host_cores)
@@ -102,7 +111,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self._global_step = 0
         self._own_threads(self._worker, self._host_adamw)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
-        self._finite = FiniteWatch(self._finite_at_boundary(), self._param_name)
+        self._finite = FiniteWatch(self._finite_at_boundary(), self._param_name,
+                                   vote=None if self._shard.split_rows else self._vote_finite)
         self._prepared: tuple[int, dict] | None = None  # prepare_state_dict's, until a change
 
     def _finite_at_boundary(self) -> bool:
@@ -112,10 +122,21 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             raise ValueError('check_finite_at="boundary" needs the Triton backend (its kernels '
                              f'read the device flag), but this optimizer runs backend '
                              f'"{self._backend}"')
+        fsdp = not self._shard.split_rows
+        if cfg.check_finite_at == "boundary" and fsdp:
+            raise ValueError('check_finite_at="boundary" is not supported under FSDP2 yet (a '
+                             "rank's device flag would mask only its own rows); use \"step\"")
         if cfg.check_finite_at == "auto":
-            return (self._backend == "triton" and cfg.accumulate_on == "device"
+            return (self._backend == "triton" and cfg.accumulate_on == "device" and not fsdp
                     and any(p.device.type == "cuda" for p in self._params()))
         return cfg.check_finite_at == "boundary"
+
+    def _vote_finite(self, flags: list[bool]) -> list[bool]:
+        """FSDP2: whether any rank found each param's rows of the gradient non-finite (one
+        all-reduce; a world of one returns ``flags``)."""
+        summed = self._shard.all_reduce_sum(torch.tensor(flags, dtype=torch.int32),
+                                            "a vote on the gradients' NaN/inf flags")
+        return [bool(n) for n in summed]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, after refusing AdamW options this optimizer does not implement (named)
@@ -124,6 +145,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             index = len(getattr(self, "param_groups", []))
             check_group_flags(param_group, f"param group {index}")
         super().add_param_group(param_group)
+        if hasattr(self, "_states"):  # after construction: the new params' local tensors
+            self._states = LocalState(self.state, self._params())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -147,7 +170,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
 
     def _where(self, p: torch.Tensor) -> tuple[int, int, str | None] | None:
         """(group index, index in the group, the param's name or None), or None for a
-        param this optimizer does not hold."""
+        param this optimizer does not hold (a DTensor param's local tensor: its param's)."""
+        p = self._owner(p)
         for gi, group in enumerate(self.param_groups):
             for pi, q in enumerate(group["params"]):
                 if q is p:
@@ -156,10 +180,16 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         return None
 
     def _kind(self, p: torch.Tensor) -> str:
-        """MATRIX (split by columns) or SMALL (whole on the device): by shape, and by name
-        for the dense set (``ZenFlowConfig.dense_params``)."""
+        """MATRIX (split by columns) or SMALL (whole on the device): by the whole param's
+        shape (a DTensor's global one, so every rank classifies alike), and by name for the
+        dense set (``ZenFlowConfig.dense_params``)."""
         where = self._where(p)
-        return classify(p, self.config, where[2] if where else None)
+        return classify(self._owner(p), self.config, where[2] if where else None)
+
+    def _owner(self, t: torch.Tensor) -> torch.Tensor:
+        """The param whose local tensor ``t`` is (FSDP2), else ``t``."""
+        states = getattr(self, "_states", None)
+        return t if states is None else states.owner(t)
 
     def _param_name(self, p: torch.Tensor) -> str:
         where = self._where(p)
@@ -167,7 +197,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             return f"param of shape {tuple(p.shape)}"
         gi, pi, name = where
         label = f"'{name}'" if name else f"param {pi} of group {gi}"
-        return f"{label} (shape {tuple(p.shape)}, {p.dtype})"
+        return f"{label} (shape {tuple(self.param_groups[gi]['params'][pi].shape)}, {p.dtype})"
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -187,6 +217,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = collect(self.param_groups, self._param_name)  # every gradient, validated
+        self._states = LocalState(self.state, self._params())
+        work = localize(work, self._param_name)  # FSDP2: this rank's rows
         self._check_hyper()  # a scheduler may have written them
         if not self._worker.alive:  # fail before this step changes anything
             raise HostWorkerError("the host worker thread is dead; the optimizer cannot go on "
@@ -214,9 +246,9 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                 # A param seen for the first time after a selection boundary selects now
                 # (its accumulator is empty and nothing of it is pending).
                 fresh = [(g, p, gr) for g, p, gr in work
-                         if self.state[p].get("kind") == MATRIX
-                         and not self.state[p]["selected"] and self.state[p]["acc_count"] == 0
-                         and not self.state[p]["host_pending"]]
+                         for st in (self._states[p],) if st.get("kind") == MATRIX
+                         and not st["selected"] and st["acc_count"] == 0
+                         and not st["host_pending"]]
                 if fresh:
                     self._select(fresh)
             direct = self._device_half(
@@ -247,7 +279,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         """Whether this step makes or moves a param's state or selects a param's columns for
         the first time (host syncs anyway, and changes that a deferred check could not undo)."""
         for _, p, _ in work:
-            st = self.state.get(p)
+            st = self._states.get(p)
             if not st or misplaced(p, st) or (st["kind"] == MATRIX and not st["selected"]):
                 return True
         return False
@@ -258,7 +290,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         the steps it masked (finite_watch)."""
         step = self._global_step
         saved = [(st, {k: st[k] for k in ("step", "device_step", "acc_count") if k in st})
-                 for _, p, _ in work for st in (self.state[p],)]
+                 for _, p, _ in work for st in (self._states[p],)]
 
         def undo() -> None:
             self._global_step = step
@@ -269,11 +301,12 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
     def _prepare_state(self, work: Work) -> None:
         """Every param of the step with its state made or put back where it belongs."""
         for _, p, _ in work:
-            st = self.state[p]
+            st = self._states[p]
             if not st:
-                self.state[p] = (init_matrix_state(p, self.link, self.config.host_moment_dtype,
-                                                   self._shard.rows(p.shape[0]))
-                                 if self._kind(p) == MATRIX else init_small_state(p))
+                self._states[p] = (init_matrix_state(p, self.link,
+                                                     self.config.host_moment_dtype,
+                                                     self._shard.rows(p.shape[0]))
+                                   if self._kind(p) == MATRIX else init_small_state(p))
             elif misplaced(p, st):
                 self._rehome(p, st)
         return work
@@ -287,20 +320,21 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                 "steps); the moved copies may miss that work. Move state only after "
                 "state_dict()/load_state_dict(), which wait for it")
         rows = self._shard.rows(view2d(p).shape[0]) if st["kind"] == MATRIX else (0, 0)
-        self.state[p] = restore_param_state(p, st, self.config, rows)
+        self._states[p] = restore_param_state(p, st, self.config, rows)
         self._dev.index_cache.pop(p, None)
 
     # ------------------------------------------------------------------ selection
     def _reselect(self, work) -> None:
         self._drain()
         self._counters["selection_refreshes"] += 1
-        self._select([w for w in work if self.state[w[1]]["kind"] == MATRIX])
+        self._select([w for w in work if self._states[w[1]]["kind"] == MATRIX])
 
     def _select(self, items) -> None:
         """Score and pick every param's columns on its device, bring all the picks to the
         host in one copy per device, then migrate (partition.migrate_many): a few host syncs
         per reselection whatever the number of params."""
-        moves = plan_selection(items, self.state, self.ops, self.link, self.config)
+        moves = plan_selection(items, self._states, self.ops, self.link, self.config,
+                               self._shard)
         self._counters["columns_migrated"] += migrate_many(
             moves, ops=self.ops, link=self.link, host_idx_on_device=self._dev.index_cache,
             shard=self._shard)
@@ -312,7 +346,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         Returns the host columns of params whose one-step window hands its gradient to the
         host as it is (``single_step_window``: warm-up, update_interval=1)."""
         self._pipeline.wait_copy_in()  # the accumulators are on loan to the job until copied
-        direct, to_host = self._dev.run(work, self.state, single_step_window,
+        direct, to_host = self._dev.run(work, self._states, single_step_window,
                                         self._finite.skip_of)
         if to_host:  # the host worker adds them; this thread only queues the copies
             self._pipeline.accumulate(to_host, f"step {self._global_step}")
@@ -327,8 +361,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         a warm-up step, plain AdamW (host lr multiplier 1). ``apply_now``: the caller
         applies this job's result in this step (overlap=False, warm-up); a param whose
         columns are all host-owned is then written by the job itself."""
-        windows = [close_window(group, p, st, self.config, self._shard, direct, apply_now,
-                                warmup)
+        windows = [close_window(group, local(p), st, self.config, self._shard, direct,
+                                apply_now, warmup, p.shape[0] if is_dtensor(p) else None)
                    for group in self.param_groups for p in group["params"]
                    for st in (self.state.get(p),)
                    if isinstance(st, dict) and st.get("kind") == MATRIX and st["acc_count"]]
@@ -353,7 +387,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         # Every rank has the same pending params (flags set when the job was launched), so
         # every rank makes the same collective: the gather of the results' rows, which also
         # agrees on the failure (one wait per apply), or the agreement alone.
-        pending = [(p, st) for p in self._params() for st in (self.state.get(p),)
+        pending = [(local(p), st) for p in self._params() for st in (self.state.get(p),)
                    if isinstance(st, dict) and st.get("host_pending")]
         if failure is not None and pending and self._shard.sharded:
             apply_results(pending, {}, link=self.link, shard=self._shard, ops=self.ops,
@@ -362,7 +396,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             self._shard.agree(failure, "the host work")
         stored, boxed_keys = self._pipeline.take_results()
         for p in stored:  # the job wrote these params itself
-            self.state[p]["host_pending"] = False
+            self._states[p]["host_pending"] = False
         pending = [(p, st) for p, st in pending if st.get("host_pending")]
         if not pending:
             return
@@ -405,6 +439,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             self._check_open()
         return dict(steps=self._global_step, backend=self._backend,
                     rank=self._shard.rank, world_size=self._shard.world,
+                    collective_bytes=self._shard.bytes,
                     bytes_device_to_host=self.link.bytes_d2h,
                     bytes_host_to_device=self.link.bytes_h2d,
                     device_owned_fraction=device_owned_fraction(self._params(), self.state,
@@ -448,12 +483,14 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         the host halves (collective); :meth:`load_sharded` reads it into any world size.
         See ``zenflow_triton.checkpoint``."""
         from .checkpoint import save_sharded
+        self._not_under_fsdp2("save_sharded()")
         save_sharded(self._state_dict(gather=False), self._params(), self._shard,
                      checkpoint_id, **dcp_kwargs)
 
     def load_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
         """Load a :meth:`save_sharded` checkpoint (collective; any world size)."""
         from .checkpoint import read_sharded
+        self._not_under_fsdp2("load_sharded()")
         self.load_state_dict(read_sharded(self._params(), self._shard,
                                           self.config.accumulate_on, checkpoint_id,
                                           **dcp_kwargs))
@@ -476,11 +513,43 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             gather_host_halves(sd["state"], self._params(), self._shard)
         sd[SD_KEY] = {"version": SD_VERSION, "global_step": self._global_step,
                       "config": self.config.to_dict(), "backend": self._backend}
+        if sd["param_groups"]:  # also where frameworks keep only state and param_groups
+            sd["param_groups"][0][SD_KEY] = dict(sd[SD_KEY])  # (DCP's state_dict API)
+        if not self._shard.split_rows:
+            self._fsdp_state_dict(sd)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)
             if result is not None:
                 sd = result
         return sd
+
+    def _not_under_fsdp2(self, what: str) -> None:
+        if not self._shard.split_rows:
+            raise NotImplementedError(
+                f"{what} is not supported for FSDP2 params yet; save and load through "
+                "torch.distributed.checkpoint.state_dict (get_optimizer_state_dict / "
+                "set_optimizer_state_dict), which state_dict() and load_state_dict() serve "
+                "(docs/distributed.md)")
+
+    def _fsdp_state_dict(self, sd: dict) -> None:
+        """FSDP2: each DTensor param's state as DTensors of its placement (each rank's rows,
+        no copies), as ``torch.distributed.checkpoint.state_dict`` expects of an optimizer
+        over FSDP2 params; an accumulator even where no window is open (zeros), so that a
+        fresh optimizer's state dict, which DCP loads into, has every key of a saved one."""
+        params = self._params()
+        for i, st in sd["state"].items():
+            if not (isinstance(i, int) and isinstance(st, dict) and is_dtensor(params[i])):
+                continue
+            if st.get("kind") == MATRIX and st.get("acc") is None:
+                st["acc"] = torch.zeros(st["host_master"].shape[0], st["host_idx"].numel(),
+                                        dtype=self.config.accumulator_torch_dtype)
+            sd["state"][i] = state_as_dtensors(st, params[i])
+
+    def _local_state_of(self, p: torch.Tensor, saved: dict) -> tuple[torch.Tensor, dict]:
+        """``state_format.read``'s view of a saved state for this rank (FSDP2: its rows)."""
+        if not is_dtensor(p):
+            return p, saved
+        return local(p), state_as_local(saved, p, self._shard.chunk_rows(p.shape[0]))
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it (same
@@ -492,6 +561,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         open_windows = [self._param_name(p) for p in self._params()
                         if isinstance(self.state.get(p), dict)
                         and self.state[p].get("acc_count", 0) > 0]
+        self._not_under_fsdp2("to_adamw_state_dict()")
         if open_windows:
             raise ValueError("to_adamw_state_dict: a window is open (accumulated gradients "
                              f"not yet on the host) for {', '.join(open_windows[:3])}; call "
@@ -514,7 +584,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         loaded = read(state_dict, self.param_groups, self.config, self._shard.rows,
-                      self._param_name, self._kind)
+                      self._param_name, self._kind, self._local_state_of)
         self._check_hyper(loaded.groups, "state_dict param group")
         changed = None if loaded.adamw else config_change(loaded.meta.get("config"),
                                                            self.config)

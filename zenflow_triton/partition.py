@@ -41,7 +41,7 @@ def classify(p: torch.Tensor, cfg: ZenFlowConfig, name: str | None = None) -> st
 
 def shape2d(p: torch.Tensor) -> tuple[int, int]:
     rows = p.shape[0]
-    return rows, p.numel() // rows
+    return rows, p.numel() // rows if rows else math.prod(p.shape[1:])
 
 
 def memory_order(t: torch.Tensor) -> tuple[int, ...]:
@@ -71,7 +71,7 @@ def splittable(p: torch.Tensor) -> bool:
     it): dense layouts whose rows are the outermost dim (``channels_last`` included), and
     2-D params of any strides."""
     try:
-        p.permute(memory_order(p)).view(p.shape[0], -1)
+        p.permute(memory_order(p)).view(p.shape[0], math.prod(p.shape[1:]))
     except RuntimeError:
         return False
     return True
@@ -94,12 +94,15 @@ def select_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def plan_selection(items, state: dict, ops: KernelOps, link: Link,
-                   cfg: ZenFlowConfig) -> list["Move"]:
+                   cfg: ZenFlowConfig, shard=None) -> list["Move"]:
     """A :class:`Move` per ``(group, param, grad)`` of ``items``: the top ``k`` columns by
     this gradient's scores, scored and picked on each param's device, the picks brought to
-    the host in one copy per device (a few host syncs whatever the number of params)."""
+    the host in one copy per device (a few host syncs whatever the number of params).
+    ``shard``: where each rank holds some rows of the params (FSDP2), its column scores are
+    summed over the ranks first (``RowShard.sum_rows``), so every rank picks alike."""
     picks: dict[torch.device, list] = {}
     moves = []
+    ranked = []
     for group, p, g in items:
         g2d = view2d(g, like=p)
         cols = g2d.shape[1]
@@ -108,8 +111,12 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
         if k in (0, cols):  # nothing to rank
             moves.append(Move(p, state[p], np.arange(k, dtype=np.int64), beta1, beta2))
             continue
-        idx = select_columns(ops.column_scores(g2d, cfg.score), k)
-        picks.setdefault(g.device, []).append((p, idx, beta1, beta2))
+        ranked.append((p, g, k, beta1, beta2, ops.column_scores(g2d, cfg.score)))
+    scores = [r[-1] for r in ranked]
+    if shard is not None:
+        scores = shard.sum_rows(scores, "an all-reduce of the column scores")
+    for (p, g, k, beta1, beta2, _), s in zip(ranked, scores):
+        picks.setdefault(g.device, []).append((p, select_columns(s, k), beta1, beta2))
     for device_picks in picks.values():
         flat = link.to_host(torch.cat([idx for _, idx, _, _ in device_picks])).numpy()
         off = 0
@@ -329,7 +336,8 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
     off = 0
     for plan in plans:
         n = plan["rows"] * plan["leave"].size
-        got = [left[off + j * n: off + (j + 1) * n].view(plan["rows"], -1) for j in range(3)]
+        got = [left[off + j * n: off + (j + 1) * n].view(plan["rows"], plan["leave"].size)
+               for j in range(3)]
         off += 3 * n
         if sharded:  # this rank keeps its rows of the columns that leave the device
             r0, r1 = shard.rows(plan["rows"])
@@ -350,7 +358,8 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
     for plan in plans:
         own = plan["st"]["host_master"].shape[0]  # this rank's rows (all of them unsharded)
         n = own * plan["enter"].size
-        got = [entered[off + j * n: off + (j + 1) * n].view(own, -1) for j in range(3)]
+        got = [entered[off + j * n: off + (j + 1) * n].view(own, plan["enter"].size)
+               for j in range(3)]
         off += 3 * n
         plan["moved_dev"] = got
     if sharded:  # every rank's rows of the entering columns, on every rank

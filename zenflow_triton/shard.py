@@ -9,6 +9,10 @@ gathered into every rank's param. Rows, not columns: a selection moves whole col
 rank's rows of any column are its own whatever the selection, and migration needs no
 re-sharding: a column leaving the device is sliced locally, one entering it is gathered.
 
+Under FSDP2 the params themselves are split by rows (``fsdp``): ``split_rows=False``, each
+rank's tensors are its rows, nothing is gathered, and the ranks only reduce what must be
+seen whole (column scores, the adaptive step size's statistics) and vote.
+
 The engine is ``torch.distributed``; collectives run on the params' device (NCCL tensors on
 GPUs, CPU tensors with gloo). A single process is a world of one: no collective is made.
 """
@@ -32,13 +36,20 @@ class ShardError(RuntimeError):
 class RowShard:
     """This rank's rows of every host half, and the collectives that join them."""
 
-    def __init__(self, group=None, timeout: float = 600.0) -> None:
+    def __init__(self, group=None, timeout: float = 600.0, split_rows: bool = True) -> None:
         """``group``: a ``torch.distributed`` process group, or None: the default group when
-        torch.distributed is initialized with more than one rank, else a world of one."""
+        torch.distributed is initialized with more than one rank, else a world of one.
+        ``split_rows=False``: FSDP2 split the params by rows already (``fsdp``): each rank's
+        tensors are its rows, whole to this class (:meth:`rows` is all of them, nothing is
+        gathered), and the ranks only reduce what must be seen whole (:meth:`sum_rows`,
+        :meth:`all_reduce_sum`) and vote (:meth:`agree`)."""
         import torch.distributed as dist
 
         self.group = group
         self.timeout = float(timeout)
+        self.split_rows = split_rows
+        self.bytes = 0
+        """Bytes this rank has handed to the collectives it made (each one's input)."""
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.rank, self.world = 0, 1
             self.device = torch.device("cpu")
@@ -50,11 +61,26 @@ class RowShard:
                            if dist.get_backend(group) == "nccl" else torch.device("cpu"))
 
     @property
-    def sharded(self) -> bool:
+    def collective(self) -> bool:
+        """More than one rank: votes and reductions are collectives."""
         return self.world > 1
 
+    @property
+    def sharded(self) -> bool:
+        """This class splits the host halves by rows (data parallelism over whole params):
+        a rank keeps :meth:`rows` of each, and the ranks gather each other's."""
+        return self.world > 1 and self.split_rows
+
     def rows(self, total: int) -> tuple[int, int]:
-        """This rank's rows ``[r0, r1)`` of a host half with ``total`` rows (may be empty)."""
+        """This rank's rows ``[r0, r1)`` of a host half with ``total`` rows (may be empty);
+        all of them when the rows were split before (``split_rows=False``)."""
+        if not self.split_rows:
+            return 0, total
+        return self.chunk_rows(total)
+
+    def chunk_rows(self, total: int) -> tuple[int, int]:
+        """Rows ``[r0, r1)`` of this rank's chunk of ``total`` (``torch.chunk``'s split, which
+        is DTensor's ``Shard(0)`` and so FSDP2's)."""
         chunk = -(-total // self.world)
         r0 = min(total, self.rank * chunk)
         return r0, min(total, r0 + chunk)
@@ -77,8 +103,8 @@ class RowShard:
         rank whose ``failure`` is set gives parts of the right shapes (their values are not
         used) and raises it, the others a :class:`ShardError`, before anything is returned."""
         if not self.sharded:
-            if agree is not None and agree[0] is not None:
-                raise agree[0]
+            if agree is not None:
+                self.agree(*agree)
             return list(parts)
         kinds: dict[tuple, list[int]] = {}
         for i, part in enumerate(parts):
@@ -118,6 +144,7 @@ class RowShard:
             mine[off:off + part.numel()].copy_(part.reshape(-1))
             off += size
         every = torch.empty(self.world * mine.numel(), dtype=dtype, device=device)
+        self.bytes += mine.numel() * mine.element_size()
         # all_gather_single is all_gather_into_tensor's newer name (torch >= 2.13).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._wait(gather(every, mine, group=self.group, async_op=True), what)
@@ -135,19 +162,44 @@ class RowShard:
         """The sum over ranks of ``t`` (a small host tensor), read back as ``tolist()`` (one
         host read): every rank gets the same values. One all-reduce, bounded by
         ``timeout``."""
-        if not self.sharded:
+        if not self.collective:
             return t.tolist()
         import torch.distributed as dist
 
         buf = t.to(self.device, copy=True)
+        self.bytes += buf.numel() * buf.element_size()
         self._wait(dist.all_reduce(buf, group=self.group, async_op=True), what)
         return buf.tolist()
+
+    def sum_rows(self, partials: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """Per-column sums over every rank's rows, from each rank's sums over its own
+        (``partials``, 1-D, on their devices): one all-reduce per device when FSDP2 split the
+        rows, else (every rank holds whole params) the partials are the sums already."""
+        if self.split_rows or not self.collective or not partials:
+            return list(partials)
+        import torch.distributed as dist
+
+        out: list[torch.Tensor] = [None] * len(partials)  # type: ignore[list-item]
+        kinds: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(partials):
+            kinds.setdefault(t.device, []).append(i)
+        for device, members in kinds.items():
+            flat = torch.cat([partials[i].float() for i in members]).to(self.device)
+            self.bytes += flat.numel() * flat.element_size()
+            self._wait(dist.all_reduce(flat, group=self.group, async_op=True), what)
+            flat = flat.to(device)
+            off = 0
+            for i in members:
+                n = partials[i].numel()
+                out[i] = flat[off:off + n]
+                off += n
+        return out
 
     def agree(self, failure: BaseException | None, what: str) -> None:
         """Every rank says whether ``what`` failed on it; if any did, every rank raises (its
         own error where it failed, a :class:`ShardError` naming the failed ranks elsewhere).
         Bounded by ``timeout``: a rank that never arrives makes the others raise."""
-        if not self.sharded:
+        if not self.collective:
             if failure is not None:
                 raise failure
             return
@@ -155,6 +207,7 @@ class RowShard:
 
         flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
         flags[self.rank] = 1 if failure is not None else 0
+        self.bytes += flags.numel() * flags.element_size()
         try:
             self._wait(dist.all_reduce(flags, group=self.group, async_op=True), what)
         except ShardError as e:

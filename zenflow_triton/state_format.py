@@ -352,11 +352,19 @@ class Loaded:
 def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
          rows_of: Callable[[int], tuple[int, int]],
          name_of: Callable[[torch.Tensor], str],
-         kind_of: Callable[[torch.Tensor], str]) -> Loaded:
+         kind_of: Callable[[torch.Tensor], str],
+         local_of: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]] | None = None
+         ) -> Loaded:
     """Check ``state_dict`` (ours, or torch.optim.AdamW's) against this optimizer's groups
     and params and build the state to hold, raising ValueError before anything is
     applied. ``rows_of(total)``: this rank's rows of a host half of ``total`` rows;
-    ``kind_of(p)``: MATRIX or SMALL, as this optimizer classifies ``p``."""
+    ``kind_of(p)``: MATRIX or SMALL, as this optimizer classifies ``p``; ``local_of(p,
+    saved)``: the tensor this rank computes on for ``p`` and ``saved`` as it holds it
+    (FSDP2: its rows; see ``fsdp.state_as_local``), None for whole params.
+
+    The format's meta (``"zenflow"``: version, global step, config) is read from the state
+    dict, or from its first param group where a framework kept only ``state`` and
+    ``param_groups`` (``torch.distributed.checkpoint.state_dict`` does)."""
     if "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state_dict: missing 'state' or 'param_groups'")
     saved_groups = state_dict["param_groups"]
@@ -369,7 +377,8 @@ def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
                              f"params, this optimizer has {len(g['params'])}")
         check_group_flags(sg, f"state_dict param group {gi}")
     adamw = is_adamw(state_dict)
-    meta = state_dict.get(SD_KEY, {})
+    meta = state_dict.get(SD_KEY) or (saved_groups[0].get(SD_KEY) if saved_groups else None) \
+        or {}
     if meta.get("version", SD_VERSION) > SD_VERSION:
         raise ValueError(f"state_dict format version {meta['version']} is newer than this "
                          f"zenflow-triton supports ({SD_VERSION})")
@@ -381,14 +390,17 @@ def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
         if key not in id_map:
             state[key] = saved  # not a param's: kept as it is (as torch does)
             continue
-        p = id_map[key]
+        param = p = id_map[key]
         kind = kind_of(p)
+        if local_of is not None and isinstance(saved, dict):
+            p, saved = local_of(p, saved)
         rows = rows_of(view2d(p).shape[0]) if kind == MATRIX else (0, 0)
         if adamw:
             saved = from_adamw(p, saved, kind, rows, name_of(p))
         check_param_state(name_of(p), p, saved, kind, rows[1] - rows[0])
-        state[p] = restore_param_state(p, saved, config, rows)
-    skip = {"params"} | (set(UNSUPPORTED_FLAGS) | {"decoupled_weight_decay"} if adamw else set())
+        state[param] = restore_param_state(p, saved, config, rows)
+    skip = {"params", SD_KEY} | (set(UNSUPPORTED_FLAGS) | {"decoupled_weight_decay"} if adamw
+                                 else set())
     groups = [{k: tuple(v) if k == "betas" else v for k, v in sg.items() if k not in skip}
               for sg in saved_groups]
     return Loaded(adamw, meta, state, groups)

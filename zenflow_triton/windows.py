@@ -15,13 +15,15 @@ from .partition import view2d
 
 
 def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, shard,
-                 direct: dict, apply_now: bool, warmup: bool) -> Window:
+                 direct: dict, apply_now: bool, warmup: bool,
+                 whole_rows: int | None = None) -> Window:
     """The host's part of ``p``'s window that ends now (``st["acc_count"]`` > 0
     gradients): its source (``direct``: the one-step window's columns, else the window
     sum), AdamW at this step's hyperparameters with the host lr multiplier, and where the
     result goes (the param itself, when the job applies it at once and owns every column;
     else an outbox for a CUDA or low-precision param; else the master). Counts the host
-    step and marks the result pending."""
+    step and marks the result pending. ``whole_rows``: the rows of the whole param when
+    ``p`` is this rank's rows of it (FSDP2), else None."""
     count = st["acc_count"]
     if p in direct:  # in the grad's dtype over the link, fp32 on the host
         source, grad = "direct", direct[p]
@@ -43,11 +45,12 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                       step=st["host_step"], grad_divisor=float(count),
                       adaptive_window=config.adaptive_window(count, warmup))
-    if sharded and hyper.adaptive_window:  # this rank's part; share_adaptive_sums adds them
-        r0, _ = shard.rows(p2d.shape[0])
+    if shard.collective and hyper.adaptive_window:  # this rank's part; share_adaptive_sums
+        whole = p2d.shape[0] if whole_rows is None else whole_rows  # adds them up
+        r0, _ = shard.chunk_rows(whole)
         width = st["host_master"].shape[1]
         hyper = replace(hyper, adaptive_sums=tuple(sample_sums(
-            st["host_master"], st["host_m"], st["host_v"], r0 * width, p2d.shape[0] * width)))
+            st["host_master"], st["host_m"], st["host_v"], r0 * width, whole * width)))
     rows = (shard.rows(p2d.shape[0])  # the accumulators hold only this rank's rows
             if sharded and source == "direct" else None)
     return Window(p, st["host_master"], st["host_m"], st["host_v"], hyper, source, grad,
@@ -55,13 +58,13 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
 
 
 def share_adaptive_sums(windows: list[Window], shard) -> list[Window]:
-    """Under data parallelism: the adaptive step size of each window from every rank's rows
-    of its host half, as one process would take it. Each rank's ``close_window`` sampled its
+    """Under data parallelism or FSDP2: the adaptive step size of each window from every
+    rank's rows of its host half, as one process would take it. Each rank's ``close_window`` sampled its
     own rows (at the positions the whole host half would sample); one all-reduce adds them,
     so every rank resolves the same multiplier. The moments are final here: no host job is
     in flight when a window launches."""
     mine = [i for i, w in enumerate(windows) if w.hyper.adaptive_sums is not None]
-    if not mine or not shard.sharded:
+    if not mine or not shard.collective:
         return windows
     parts = torch.tensor([windows[i].hyper.adaptive_sums for i in mine], dtype=torch.float64)
     assert parts.shape[1] == SUMS

@@ -1,0 +1,414 @@
+"""FSDP2 (``fully_shard``): every param a DTensor sharded by rows, each rank's optimizer on
+its own rows (``zenflow_triton.fsdp``). On 2 gloo CPU ranks spawned by the test (the
+harness of ``test_distributed``), against one process on the whole batch and against
+``torch.optim.AdamW`` under FSDP2.
+
+The model is a small transformer block whose row counts do not all divide by the ranks: 33
+rows (17 + 16), and a gate with 1 row (rank 1 holds none of it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zenflow_triton import NonFiniteGradientError, ZenFlowOptimizer
+
+from . import test_distributed as td
+from .helpers import assert_trajectories_close
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
+
+VOCAB, D, SEQ, BATCH = 40, 33, 12, 8
+STEPS = 20
+LR = 1e-2
+# min_offload_numel 32: every matrix is split, the 1-row gate (33 elements) too.
+CFG = dict(topk_ratio=0.25, update_interval=2, select_interval=4, overlap=True,
+           min_offload_numel=32, host_threads=1)
+# Resume runs: windows of 4, saved at step 6 (mid-window, a host job's result pending).
+RESUME_CFG = dict(CFG, update_interval=4, select_interval=8)
+
+
+class Block(nn.Module):
+    """Embedding, one attention head (q, k, v of 32 rows, out 33), an MLP (48 and 33
+    rows), a norm, a head of VOCAB rows, and a 1-row gate on the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, D)
+        # No key bias: its gradient is zero up to rounding (softmax ignores a shift common
+        # to a row's scores), and Adam would turn that rounding into whole steps.
+        self.q, self.k, self.v = nn.Linear(D, 32), nn.Linear(D, 32, bias=False), nn.Linear(D, 32)
+        self.o = nn.Linear(32, D)
+        self.up, self.down = nn.Linear(D, 48), nn.Linear(48, D)
+        self.norm = nn.LayerNorm(D)
+        self.gate = nn.Linear(D, 1, bias=False)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        a = F.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x), is_causal=True)
+        x = x + self.o(a)
+        x = x + torch.sigmoid(self.gate(x)) * self.down(torch.tanh(self.up(x)))
+        return self.head(self.norm(x))
+
+
+def batches(steps: int = STEPS) -> list[torch.Tensor]:
+    """Token sequences with structure to learn (each token predicts the next by a fixed
+    map, with noise), BATCH a step: they split evenly over 2 ranks."""
+    g = torch.Generator().manual_seed(1)
+    nxt = torch.randperm(VOCAB, generator=g)
+    out = []
+    for _ in range(steps):
+        t = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
+        t[:, 0] = torch.randint(VOCAB, (BATCH,), generator=g)
+        for i in range(SEQ):
+            noise = torch.rand(BATCH, generator=g) < 0.2
+            t[:, i + 1] = torch.where(noise, torch.randint(VOCAB, (BATCH,), generator=g),
+                                      nxt[t[:, i]])
+        out.append(t)
+    return out
+
+
+def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def train(model, opt, data, rank: int = 0, world: int = 1, poison=None) -> None:
+    n = BATCH // world
+    for step, tokens in enumerate(data, 1):
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, tokens[rank * n:(rank + 1) * n]).backward()
+        if poison is not None:
+            poison(step, model)
+        opt.step()
+
+
+def sharded_model() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = Block()
+    fully_shard(model)
+    return model
+
+
+def _gathered(model) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def _selections(opt, model) -> list[torch.Tensor]:
+    return [opt.state[p]["device_idx"].clone() for p in model.parameters()
+            if "device_idx" in opt.state[p]]
+
+
+# ------------------------------------------------------------------------- scenarios
+def train_scenario(rank: int) -> dict:
+    model = sharded_model()
+    world = dist.get_world_size()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **CFG) as opt:
+        train(model, opt, batches(), rank, world)
+        opt.synchronize()
+        st = opt.stats()
+        local_rows = [opt.state[p]["host_master"].shape[0] for p in model.parameters()
+                      if "host_master" in opt.state[p]]
+        try:  # not yet under FSDP2: refused, naming what to use instead
+            opt.save_sharded(os.path.join(td.OUT, "unused"))
+            refused = None
+        except NotImplementedError as e:
+            refused = str(e)
+        return dict(params=_gathered(model), device_idx=_selections(opt, model),
+                    local_rows=local_rows, host_bytes=st["host_state_bytes"],
+                    device_bytes=st["device_state_bytes"], world=st["world_size"],
+                    host_updates=st["host_updates"], refused=refused)
+
+
+def _against_adamw(rank: int, **cfg) -> dict:
+    """FSDP2 + ZenFlow with ``cfg`` and FSDP2 + torch.optim.AdamW from the same start:
+    each rank's rows of both, after STEPS."""
+    world = dist.get_world_size()
+    out = {}
+    for name in ("zenflow", "adamw"):
+        model = sharded_model()
+        if name == "zenflow":
+            opt = ZenFlowOptimizer(model.parameters(), lr=LR, **{**CFG, **cfg})
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=1e-2)
+        train(model, opt, batches(), rank, world)
+        if name == "zenflow":
+            opt.synchronize()
+            opt.close()
+        out[name] = [p.to_local().detach().clone() for p in model.parameters()]
+    return out
+
+
+def topk_one_scenario(rank: int) -> dict:
+    return _against_adamw(rank, topk_ratio=1.0)
+
+
+def interval_one_scenario(rank: int) -> dict:
+    # Reselecting every 3 steps: columns migrate between the halves during the run.
+    return _against_adamw(rank, update_interval=1, select_interval=3, overlap=False)
+
+
+def nonfinite_scenario(rank: int) -> dict:
+    """Rank 1 alone finds a NaN in its rows of the MLP's gradient at step 5: both raise,
+    and neither changed anything at that step."""
+    model = sharded_model()
+    world = dist.get_world_size()
+
+    def poison(step, model):
+        if step == 5 and rank == 1:
+            model.up.weight.grad.to_local()[0, 0] = float("nan")
+
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    data = batches(6)
+    before = None
+    try:
+        def watch(step, model):
+            nonlocal before
+            if step == 5:
+                opt.synchronize()  # the state before step 5, settled
+                before = [p.to_local().detach().clone() for p in model.parameters()]
+            poison(step, model)
+        train(model, opt, data, rank, world, poison=watch)
+        return dict(error=None)
+    except NonFiniteGradientError as e:
+        after = [p.to_local().detach().clone() for p in model.parameters()]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+        return dict(raised=str(e), unchanged=unchanged, steps=opt.stats()["steps"])
+    finally:
+        opt.close()
+
+
+def _dcp_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _dcp_load(model, opt, path: str, **kwargs) -> None:
+    """What a user writes to resume from a DCP checkpoint: the state dicts of a fresh model
+    and optimizer as templates, loaded in place, then set."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    sd = _dcp_state(model, opt)
+    dcp.load(sd, checkpoint_id=path, **kwargs)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def dcp_scenario(rank: int) -> dict:
+    """12 steps uninterrupted, saving model and optimizer through DCP at step 6
+    (``get_optimizer_state_dict``: each rank writes its rows); and a fresh model and
+    optimizer that load it and go on."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
+    world = dist.get_world_size()
+    path = os.path.join(td.OUT, "ckpt")
+    data = batches(12)
+    model = sharded_model()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
+        train(model, opt, data[:6], rank, world)
+        dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+        full = get_optimizer_state_dict(model, opt,
+                                        options=StateDictOptions(full_state_dict=True))
+        train(model, opt, data[6:], rank, world)
+        opt.synchronize()
+        want = _gathered(model)
+    model = sharded_model()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
+        _dcp_load(model, opt, path)
+        steps = opt.stats()["steps"]
+        train(model, opt, data[6:], rank, world)
+        opt.synchronize()
+        got = _gathered(model)
+    return dict(want=want, got=got, path=path, steps=steps, full=full)
+
+
+def failure_scenario(rank: int) -> dict:
+    """Rank 1's second host job raises: every rank raises at the next apply point."""
+    import time
+
+    td.inject_host_failure(rank)
+    model = sharded_model()
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **dict(CFG, host_timeout=5.0))
+    t0 = time.monotonic()
+    try:
+        train(model, opt, batches(), rank, dist.get_world_size())
+        opt.synchronize()
+        return dict(failed=None, seconds=time.monotonic() - t0)
+    except Exception as e:
+        return dict(failed=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+    finally:
+        try:
+            opt.close()
+        except Exception:
+            pass
+
+
+def hsdp_scenario(rank: int) -> dict:
+    """HSDP (fully_shard on a 2-D mesh: replicated across one dim, sharded across the
+    other) and a replicated DTensor: refused at construction, by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    out = {}
+    model = Block()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1, dist.get_world_size()),
+                                             mesh_dim_names=("replicate", "shard")))
+    replicated = nn.Parameter(distribute_tensor(torch.ones(8, 8),
+                                                init_device_mesh("cpu", (2,)), [Replicate()]))
+    for what, params in (("hsdp", list(model.named_parameters())[:3]),
+                         ("replicated", [("w", replicated)])):
+        try:
+            ZenFlowOptimizer(params, lr=LR, **CFG)
+            out[what] = None
+        except TypeError as e:
+            out[what] = str(e)
+    return out
+
+
+def _one_process(cfg: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    model = Block()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **cfg) as opt:
+        train(model, opt, batches())
+        opt.synchronize()
+        return ([p.detach().clone() for p in model.parameters()], _selections(opt, model),
+                opt.stats()["host_state_bytes"])
+
+
+# ------------------------------------------------------------------------- tests
+def test_fsdp2_ranks_follow_one_process_on_the_whole_batch(tmp_path):
+    """20 steps under FSDP2 on 2 ranks: every rank makes one process's selections (the
+    column scores summed over the ranks' rows), and the gathered params follow one process
+    on the whole batch to fp32 rounding. Each rank keeps only its rows: 17 and 16 of the
+    33-row matrices, 1 and 0 of the gate."""
+    a, b = td.spawn("tests.test_fsdp2:train_scenario", tmp_path)
+    assert "get_optimizer_state_dict" in a["refused"]
+    want, single_idx, single_host = _one_process(CFG)
+    for x, y in zip(a["device_idx"], b["device_idx"]):
+        assert torch.equal(x, y)
+    assert len(a["device_idx"]) == len(single_idx)
+    for x, y in zip(a["device_idx"], single_idx):
+        assert torch.equal(x, y)
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+    assert_trajectories_close(a["params"], want, STEPS, LR * CFG["update_interval"])
+    whole = [p.shape[0] for p in Block().parameters() if p.dim() == 2]
+    assert [x + y for x, y in zip(a["local_rows"], b["local_rows"])] == whole
+    assert 1 in a["local_rows"] and 0 in b["local_rows"]  # the gate's one row
+    # Host memory per rank about halves (the rows split 17/16, 20/20, ...).
+    assert a["host_bytes"] + b["host_bytes"] <= 1.05 * single_host
+    assert max(a["host_bytes"], b["host_bytes"]) < 0.6 * single_host
+
+
+@pytest.mark.parametrize("scenario", ["topk_one_scenario", "interval_one_scenario"])
+def test_fsdp2_equals_adamw_where_zenflow_is_adamw(tmp_path, scenario):
+    """topk_ratio=1.0 (every column on the device) and update_interval=1 without overlap
+    (every host column updated at its own step): FSDP2 + ZenFlow is FSDP2 +
+    torch.optim.AdamW, each rank's rows to fp32 rounding."""
+    for res in td.spawn(f"tests.test_fsdp2:{scenario}", tmp_path):
+        assert_trajectories_close(res["zenflow"], res["adamw"], STEPS, LR)
+
+
+def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path):
+    a, b = td.spawn("tests.test_fsdp2:nonfinite_scenario", tmp_path)
+    for res in (a, b):
+        assert res.get("raised") and "non-finite gradient" in res["raised"], res
+        assert "shape (48, 33)" in res["raised"], res  # the MLP's up projection, whole
+        assert res["unchanged"] and res["steps"] == 4
+
+
+def test_fsdp2_dcp_checkpoint_resumes_bit_for_bit_and_loads_into_one_process(tmp_path):
+    """Saved through ``torch.distributed.checkpoint`` at step 6 (mid-window, a host result
+    pending) on 2 ranks, loaded by a fresh model and optimizer: the next 6 steps equal the
+    uninterrupted run bit for bit. The full form (``full_state_dict=True``) holds every
+    row. One process loads the same checkpoint (DCP reshards 2 ranks to 1) and follows the
+    2-rank run on the whole batch to fp32 rounding."""
+    a, b = td.spawn("tests.test_fsdp2:dcp_scenario", tmp_path)
+    for res in (a, b):
+        assert res["steps"] == 6
+        for x, y in zip(res["got"], res["want"]):
+            assert torch.equal(x, y)
+    model = Block()
+    full = a["full"]["state"]
+    for name, p in model.named_parameters():
+        for key, value in full[name].items():
+            if isinstance(value, torch.Tensor) and value.dim() and not key.endswith("_idx"):
+                assert value.shape[0] == p.shape[0], (name, key)
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
+        _dcp_load(model, opt, a["path"], no_dist=True)
+        assert opt.stats()["steps"] == 6
+        train(model, opt, batches(12)[6:])
+        opt.synchronize()
+        got = [p.detach().clone() for p in model.parameters()]
+    assert_trajectories_close(got, a["want"], 12, LR * RESUME_CFG["update_interval"])
+
+
+def test_hsdp_and_other_dtensors_are_refused_by_name(tmp_path):
+    for res in td.spawn("tests.test_fsdp2:hsdp_scenario", tmp_path):
+        assert res["hsdp"] and "'embed.weight'" in res["hsdp"] and "2-D mesh" in res["hsdp"]
+        assert res["replicated"] and "'w'" in res["replicated"] \
+            and "Replicate" in res["replicated"]
+
+
+def test_a_failing_rank_fails_every_rank_under_fsdp2(tmp_path):
+    """Rank 1's host job raises: rank 1 raises its own error, rank 0 a ShardError naming
+    rank 1, at the same apply point, well within ``host_timeout``; no hang."""
+    a, b = td.spawn("tests.test_fsdp2:failure_scenario", tmp_path)
+    assert b["failed"] and "injected host failure on rank 1" in b["failed"], b
+    assert a["failed"] and "ShardError" in a["failed"] and "rank(s) [1]" in a["failed"], a
+    assert a["seconds"] < 60 and b["seconds"] < 60, (a, b)
+
+
+def test_the_fsdp2_example_runs_under_torchrun(tmp_path):
+    """examples/train_fsdp2.py on 2 gloo ranks (torchrun --standalone): it trains with
+    global-norm clipping, saves through DCP, prints every rank's optimizer memory, and
+    checks that every rank made the same selections (exit status 1 if not)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK",
+                                                                      "WORLD_SIZE", "LOCAL_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", "examples/train_fsdp2.py", "--steps", "12", "--save", str(tmp_path / "ck")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "world 2: the same selections on every rank: True" in out, out[-3000:]
+    assert "rank 1: host state" in out and (tmp_path / "ck" / ".metadata").exists()
+
+
+def test_cpu_offloaded_fsdp2_params_are_refused_with_the_reason():
+    """FSDP2's CPUOffloadPolicy keeps the params of a CUDA mesh in host memory; ZenFlow's
+    host half already is that offload, so it is refused, saying so. (No CUDA here: the
+    check reads the mesh's device type and the local tensor's device, given directly.)"""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Shard
+
+    from zenflow_triton.fsdp import check_param
+
+    class DTensor(SimpleNamespace):  # what check_param reads of one
+        pass
+
+    def param(device_type):
+        return DTensor(device_mesh=SimpleNamespace(ndim=1, device_type=device_type),
+                       placements=(Shard(0),), _local_tensor=torch.zeros(4, 4))
+
+    with pytest.raises(TypeError, match="CPUOffloadPolicy.*does that part itself"):
+        check_param(param("cuda"), "'w'")
+    check_param(param("cpu"), "'w'")  # gloo on CPU: nothing is offloaded

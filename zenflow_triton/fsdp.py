@@ -1,0 +1,172 @@
+"""FSDP2 (``fully_shard``): params that are DTensors sharded by rows over a 1-D mesh.
+
+``fully_shard`` makes every param a DTensor placed ``Shard(0)``: rank ``r`` holds rows
+``[r * c, (r + 1) * c)`` of it (``c = ceil(rows / world)``, clipped: ``torch.chunk``'s split,
+which is also ``shard.RowShard``'s), and after the backward its gradient's same rows. The
+optimizer then works on each rank's local rows as it works on a whole param in one process:
+the device half, the host half, the accumulator and the moments of its own rows only. What
+it must see whole it reduces over the mesh (``shard.RowShard`` with ``split_rows=False``):
+the column scores of a selection, the adaptive step size's statistics, the NaN/inf flags,
+the vote on the host work. It classifies a param by its global shape, so every rank makes
+the same collectives whatever its rows (none, for a param with fewer rows than ranks).
+
+This module is the door: whether a param is such a DTensor, its local tensor, and the
+process group of its mesh. Nothing else here reaches into DTensor."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, MutableMapping
+
+import torch
+
+
+def is_dtensor(t: torch.Tensor | None) -> bool:
+    return t is not None and type(t).__name__ == "DTensor"
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``t``: a DTensor's local shard (one object for the
+    DTensor's life, so it can key caches; writes land in the DTensor), else ``t``."""
+    if not is_dtensor(t):
+        return t
+    inner = getattr(t, "_local_tensor", None)
+    return inner if inner is not None else t.to_local()
+
+
+def check_param(p: torch.Tensor, name: str) -> None:
+    """TypeError naming a DTensor param this optimizer cannot take: anything but a
+    ``Shard(0)`` placement on a 1-D mesh (FSDP2's ``fully_shard``)."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise TypeError(
+            f"{name} is a DTensor placed {placements} on a {mesh.ndim}-D mesh; "
+            "ZenFlowOptimizer takes FSDP2's fully_shard on a 1-D mesh (Shard(0): each "
+            "rank holds whole rows), not HSDP (2-D meshes), tensor parallelism or "
+            "replicated DTensors")
+    if mesh.device_type != "cpu" and local(p).device.type == "cpu":
+        raise TypeError(
+            f"{name} lies in host memory on a {mesh.device_type} mesh: FSDP2's "
+            "CPUOffloadPolicy; ZenFlowOptimizer does that part itself (the host half and "
+            "its Adam state live in host memory, the important columns stay on the "
+            "accelerator), so wrap the model with fully_shard without offload_policy")
+
+
+def mesh_group(params: Iterable[torch.Tensor]):
+    """The process group of the params' mesh, or None when none is a DTensor; ValueError
+    when they lie on different meshes (one optimizer shards over one group)."""
+    meshes = []
+    for p in params:
+        if is_dtensor(p) and not any(p.device_mesh is m or p.device_mesh == m for m in meshes):
+            meshes.append(p.device_mesh)
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ValueError(f"the params lie on {len(meshes)} different device meshes; "
+                         "ZenFlowOptimizer shards over one (give each mesh's params their "
+                         "own optimizer)")
+    return meshes[0].get_group()
+
+
+class LocalState(MutableMapping):
+    """``optimizer.state`` (keyed by the params, DTensors included) seen through each
+    param's local tensor: the step's code reads and writes a param's state by the tensor
+    it computes on. Built per step from the params."""
+
+    def __init__(self, state: dict, params: Iterable[torch.Tensor]) -> None:
+        self._state = state
+        self._owner = {local(p): p for p in params}
+
+    def owner(self, t: torch.Tensor) -> torch.Tensor:
+        return self._owner.get(t, t)
+
+    def __getitem__(self, t: torch.Tensor) -> dict:
+        return self._state[self.owner(t)]
+
+    def __setitem__(self, t: torch.Tensor, value: dict) -> None:
+        self._state[self.owner(t)] = value
+
+    def __delitem__(self, t: torch.Tensor) -> None:
+        del self._state[self.owner(t)]
+
+    def __contains__(self, t: object) -> bool:
+        return self.owner(t) in self._state  # type: ignore[arg-type]
+
+    def get(self, t, default=None):
+        return self._state.get(self.owner(t), default)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        inverse = {p: t for t, p in self._owner.items()}
+        return (inverse.get(p, p) for p in self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+def localize(work: list, name_of: Callable[[torch.Tensor], str]) -> list:
+    """``(group, param, grad)`` triples with each DTensor param and gradient replaced by
+    their local tensors; TypeError naming a param whose gradient is not a DTensor of its
+    placement (or is one while the param is not)."""
+    out = []
+    for group, p, g in work:
+        if is_dtensor(p) != is_dtensor(g) or (
+                is_dtensor(p) and tuple(g.placements) != tuple(p.placements)):
+            raise TypeError(
+                f"{name_of(p)}: the gradient is "
+                f"{'a DTensor placed ' + str(tuple(g.placements)) if is_dtensor(g) else 'a plain tensor'}"
+                f" but the param is "
+                f"{'a DTensor placed ' + str(tuple(p.placements)) if is_dtensor(p) else 'a plain tensor'}")
+        out.append((group, local(p), local(g)))
+    return out
+
+
+def _has_rows(key: str, value: Any) -> bool:
+    """A per-param state tensor laid out by the param's rows (every one but the column
+    indices and 0-d counts)."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and not key.endswith("_idx")
+
+
+def state_as_dtensors(st: dict, p: torch.Tensor) -> dict:
+    """A DTensor param's packed state as ``state_dict()`` gives it under FSDP2: each tensor
+    laid out by rows as a DTensor of the param's placement and global row count (no copy:
+    this rank's rows are its local tensor), the column indices and counts as they are (the
+    same on every rank). What ``torch.distributed.checkpoint.state_dict`` expects of an
+    optimizer over FSDP2 params: it saves each rank's rows, or gathers them."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in st.items():
+        if _has_rows(key, value):
+            shape = (p.shape[0], *value.shape[1:])
+            value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                       shape=shape, stride=_contiguous_strides(shape))
+        out[key] = value
+    return out
+
+
+def state_as_local(saved: dict, p: torch.Tensor, rows: tuple[int, int]) -> dict:
+    """A saved param state as this rank holds it: a DTensor as this rank's rows of it (its
+    local tensor when placed as the param is, else the rows of its full tensor), a whole
+    tensor of the param's global row count as this rank's ``rows``; anything else as it
+    is (then checked against the local param by the caller)."""
+    out = {}
+    for key, value in saved.items():
+        if is_dtensor(value):
+            if tuple(value.placements) == tuple(p.placements) \
+                    and value.device_mesh == p.device_mesh:
+                value = local(value)
+            else:
+                value = value.full_tensor()
+        if _has_rows(key, value) and value.shape[0] == p.shape[0]:
+            value = value[rows[0]:rows[1]]
+        out[key] = value
+    return out
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
