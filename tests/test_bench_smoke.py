@@ -113,7 +113,17 @@ def _files(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("how", ["env", "flag"])
+def test_gpu_check_refuses_an_unknown_argument():
+    """bench/gpu_check.sh takes --dry-run (or GPU_CHECK_DRY=1) and nothing else: anything
+    else prints its usage and exits 2 before doing anything."""
+    proc = subprocess.run(["bash", GPU_CHECK, "--dry"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "usage:" in proc.stderr and "--dry-run" in proc.stderr
+
+
+# One of the two ways in: they set the same variable on the script's first lines (the
+# whole dry run is ~20 s of collecting the pieces, so it runs once in CI).
+@pytest.mark.parametrize("how", ["flag"])
 def test_gpu_check_dry_mode_runs_here(tmp_path, how):
     """bench/gpu_check.sh runs where a GPU is lent, once, with no network: its dry mode
     (GPU_CHECK_DRY=1 or --dry-run) does everything up to the first CUDA call here. It checks
