@@ -206,8 +206,7 @@ def _dcp_load(model, opt, path: str, **kwargs) -> None:
 
 def dcp_scenario(rank: int) -> dict:
     """12 steps uninterrupted, saving model and optimizer through DCP at step 6
-    (``get_optimizer_state_dict``: each rank writes its rows); and a fresh model and
-    optimizer that load it and go on."""
+    (``get_optimizer_state_dict``: each rank writes its rows), and the full form there."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                          get_optimizer_state_dict)
@@ -222,15 +221,20 @@ def dcp_scenario(rank: int) -> dict:
                                         options=StateDictOptions(full_state_dict=True))
         train(model, opt, data[6:], rank, world)
         opt.synchronize()
-        want = _gathered(model)
+        return dict(want=_gathered(model), path=path, full=full)
+
+
+def dcp_resume_scenario(rank: int) -> dict:
+    """New processes: a fresh model and optimizer load the checkpoint of ``dcp_scenario``
+    (in the directory above this run's) and train its last 6 steps."""
+    path = os.path.join(os.path.dirname(td.OUT), "ckpt")
     model = sharded_model()
     with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
         _dcp_load(model, opt, path)
         steps = opt.stats()["steps"]
-        train(model, opt, data[6:], rank, world)
+        train(model, opt, batches(12)[6:], rank, dist.get_world_size())
         opt.synchronize()
-        got = _gathered(model)
-    return dict(want=want, got=got, path=path, steps=steps, full=full)
+        return dict(got=_gathered(model), steps=steps)
 
 
 def failure_scenario(rank: int) -> dict:
@@ -330,14 +334,16 @@ def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path):
 
 def test_fsdp2_dcp_checkpoint_resumes_bit_for_bit_and_loads_into_one_process(tmp_path):
     """Saved through ``torch.distributed.checkpoint`` at step 6 (mid-window, a host result
-    pending) on 2 ranks, loaded by a fresh model and optimizer: the next 6 steps equal the
-    uninterrupted run bit for bit. The full form (``full_state_dict=True``) holds every
+    pending) on 2 ranks, loaded by a fresh model and optimizer in new processes: the next 6
+    steps equal the uninterrupted run bit for bit. The full form (``full_state_dict=True``) holds every
     row. One process loads the same checkpoint (DCP reshards 2 ranks to 1) and follows the
     2-rank run on the whole batch to fp32 rounding."""
     a, b = td.spawn("tests.test_fsdp2:dcp_scenario", tmp_path)
-    for res in (a, b):
+    (tmp_path / "resume").mkdir()
+    for res, want in zip(td.spawn("tests.test_fsdp2:dcp_resume_scenario",
+                                  tmp_path / "resume"), (a, b)):
         assert res["steps"] == 6
-        for x, y in zip(res["got"], res["want"]):
+        for x, y in zip(res["got"], want["want"]):
             assert torch.equal(x, y)
     model = Block()
     full = a["full"]["state"]
