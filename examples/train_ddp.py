@@ -29,48 +29,79 @@ from autotune.workload import tiny_lm  # noqa: E402
 from zenflow_triton import ZenFlowOptimizer  # noqa: E402
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(doc: str, argv=None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=4)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def start() -> tuple[int, int, torch.device, object]:
+    """torch.distributed up (NCCL on GPUs, else gloo); (rank, world, device, the tiny LM
+    workload with a batch of 8 per rank), the same initial weights on every rank."""
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
-    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    wl = tiny_lm(seed=0, device=device, batch_size=8 * world)
-    model = torch.nn.parallel.DistributedDataParallel(wl.model)
-    opt = ZenFlowOptimizer(wl.model.parameters(), lr=args.lr, topk_ratio=args.topk_ratio,
-                           update_interval=args.update_interval, min_offload_numel=1024)
-    for step in range(1, args.steps + 1):
+    torch.manual_seed(0)
+    return rank, world, device, tiny_lm(seed=0, device=device, batch_size=8 * world)
+
+
+def train(model, wl, opt, steps: int, rank: int, world: int, clip: float | None = None):
+    for step in range(1, steps + 1):
         x, y = next(wl.batches)  # the same batch on every rank: each takes its share
         n = x.shape[0] // world
         xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
         opt.zero_grad(set_to_none=True)
         loss = wl.loss_fn(model, (xs, ys))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # the global norm
         opt.step()
         if rank == 0 and (step % 10 == 0 or step == 1):
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
     opt.synchronize()  # collective: every rank applies the pending host results
+
+
+def same_on_every_rank(values: torch.Tensor, world: int) -> bool:
+    """Whether every rank holds the same ``values`` (compared by two float64 sums)."""
+    flat = values.reshape(-1).double().cpu()
+    sums = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(sums, torch.stack([flat.sum(), (flat * flat.cumsum(0)).sum()]))
+    return all(torch.equal(s, sums[0]) for s in sums)
+
+
+def report_memory(opt, rank: int, world: int, steps: int, model_bytes: int) -> None:
+    """Rank 0 prints every rank's optimizer memory and collective bytes per step."""
     st = opt.stats()
-    mine = torch.tensor([st["host_state_bytes"], st["device_state_bytes"]], dtype=torch.float64)
+    mine = torch.tensor([st["host_state_bytes"], st["device_state_bytes"],
+                         st["collective_bytes"]], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    flat = torch.cat([p.detach().reshape(-1).double().cpu() for p in wl.model.parameters()])
-    sums = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(sums, torch.stack([flat.sum(), (flat * flat).sum()]))
-    same = all(torch.equal(s, sums[0]) for s in sums)
     if rank == 0:
         for r, b in enumerate(every):
             print(f"rank {r}: host state {b[0].item() / 2**20:.2f} MiB, "
-                  f"device state {b[1].item() / 2**20:.2f} MiB")
+                  f"device state {b[1].item() / 2**20:.2f} MiB, "
+                  f"optimizer collectives {b[2].item() / steps:.0f} B/step "
+                  f"({b[2].item() / steps / model_bytes:.2e} of the model's "
+                  f"{model_bytes / 2**20:.2f} MiB)")
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__).parse_args(argv)
+    rank, world, device, wl = start()
+    model = torch.nn.parallel.DistributedDataParallel(wl.model)
+    opt = ZenFlowOptimizer(wl.model.parameters(), lr=args.lr, topk_ratio=args.topk_ratio,
+                           update_interval=args.update_interval, min_offload_numel=1024)
+    train(model, wl, opt, args.steps, rank, world)
+    params = list(wl.model.parameters())
+    report_memory(opt, rank, world, args.steps, sum(p.numel() * p.element_size() for p in params))
+    same = same_on_every_rank(torch.cat([p.detach().reshape(-1) for p in params]), world)
+    if rank == 0:
         print(f"world {world}: params identical on every rank: {same}")
     opt.close()
     dist.destroy_process_group()

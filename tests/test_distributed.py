@@ -247,9 +247,15 @@ def _failure_scenario(rank: int, accumulate_on: str = "device") -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = ZenFlowOptimizer(model.parameters(), lr=LR,
                            **dict(CFG, host_timeout=5.0, accumulate_on=accumulate_on))
+    return until_failure(opt, lambda: train(ddp, opt, batches(), rank, WORLD))
+
+
+def until_failure(opt, run) -> dict:
+    """``run()``, then ``opt.synchronize()``: ``error`` (what raised, or None) and the
+    ``seconds`` it took; the optimizer closed whatever happened."""
     t0 = time.monotonic()
     try:
-        train(ddp, opt, batches(), rank, WORLD)
+        run()
         opt.synchronize()
         return dict(error=None, seconds=time.monotonic() - t0)
     except Exception as e:
@@ -259,6 +265,25 @@ def _failure_scenario(rank: int, accumulate_on: str = "device") -> dict:
             opt.close()
         except Exception:
             pass
+
+
+def torchrun(args: list[str], timeout: float = 240) -> str:
+    """``python -m torch.distributed.run --standalone --nproc_per_node 2 *args`` from the
+    repository root, CPU only, without the launcher variables of any run around it; its
+    output (the run must exit 0)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK",
+                                                                      "WORLD_SIZE", "LOCAL_"))}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    return out
 
 
 def _dcp_scenario(rank: int) -> dict:
@@ -401,19 +426,7 @@ def test_the_ddp_example_runs_under_torchrun():
     """examples/train_ddp.py, as docs/distributed.md shows it, with 2 gloo ranks (torchrun
     --standalone): it trains, prints every rank's host memory and checks that every rank
     holds the same params (exit status 1 if not)."""
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK",
-                                                                      "WORLD_SIZE"))}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "examples/train_ddp.py", "--steps", "12"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    out = torchrun(["examples/train_ddp.py", "--steps", "12"])
     assert "world 2: params identical on every rank: True" in out, out[-3000:]
     assert "rank 1: host state" in out
 

@@ -424,21 +424,9 @@ def test_hf_trainer_saves_under_ddp_on_rank_0(tmp_path):
     with ``zenflow_triton.hf.ZenFlowCallback`` every rank gathers the host halves first, so
     the checkpoints at steps 4 and 8 hold every row (the full form) and the ranks go on
     with the same params."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from .test_distributed import torchrun
 
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK",
-                                                                      "WORLD_SIZE", "LOCAL_"))}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "tests/hf_ddp_save.py", str(tmp_path)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    torchrun(["tests/hf_ddp_save.py", str(tmp_path)], timeout=300)
     res = torch.load(tmp_path / "result.pt", weights_only=False)
     assert res["world"] == 2 and res["steps"] == 8 and res["saved_step"] == 8
     # Every split matrix of the tiny Llama (32 or 64 rows, and the 64-row head) saved whole.

@@ -237,25 +237,21 @@ def dcp_resume_scenario(rank: int) -> dict:
         return dict(got=_gathered(model), steps=steps)
 
 
-def failure_scenario(rank: int) -> dict:
+def failure_scenario(rank: int, **cfg) -> dict:
     """Rank 1's second host job raises: every rank raises at the next apply point."""
-    import time
-
     td.inject_host_failure(rank)
     model = sharded_model()
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **dict(CFG, host_timeout=5.0))
-    t0 = time.monotonic()
-    try:
-        train(model, opt, batches(), rank, dist.get_world_size())
-        opt.synchronize()
-        return dict(failed=None, seconds=time.monotonic() - t0)
-    except Exception as e:
-        return dict(failed=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
-    finally:
-        try:
-            opt.close()
-        except Exception:
-            pass
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **dict(CFG, host_timeout=5.0, **cfg))
+    res = td.until_failure(opt, lambda: train(model, opt, batches(), rank,
+                                              dist.get_world_size()))
+    return dict(failed=res["error"], seconds=res["seconds"])
+
+
+def failure_in_warmup_scenario(rank: int) -> dict:
+    """The failing job is a warm-up one, which writes the params itself (every column on
+    the host, applied at once): the ranks whose job succeeded have nothing left to apply,
+    and still vote."""
+    return failure_scenario(rank, warmup_steps=4)
 
 
 def hsdp_scenario(rank: int) -> dict:
@@ -278,6 +274,24 @@ def hsdp_scenario(rank: int) -> dict:
             out[what] = None
         except TypeError as e:
             out[what] = str(e)
+    fsdp = list(sharded_model().parameters())
+    plain = nn.Parameter(torch.zeros(8, 8))
+    for what, make in (
+            ("mixed", lambda: ZenFlowOptimizer(fsdp + [plain], lr=LR, **CFG)),
+            ("group", lambda: ZenFlowOptimizer(fsdp, lr=LR, process_group=dist.new_group(),
+                                               **CFG))):
+        try:
+            make().close()
+            out[what] = None
+        except ValueError as e:
+            out[what] = str(e)
+    with ZenFlowOptimizer(fsdp, lr=LR, **CFG) as opt:
+        try:
+            opt.add_param_group({"params": [plain]})
+            out["added"] = None
+        except ValueError as e:
+            out["added"] = str(e)
+        out["groups"] = len(opt.param_groups)
     return out
 
 
@@ -361,16 +375,25 @@ def test_fsdp2_dcp_checkpoint_resumes_bit_for_bit_and_loads_into_one_process(tmp
 
 
 def test_hsdp_and_other_dtensors_are_refused_by_name(tmp_path):
+    """Refused with what to do instead: HSDP (a 2-D mesh), a replicated DTensor, plain
+    params beside DTensors (a plain one's rows would count once per rank), a process group
+    other than the mesh's, and a plain param group added to an FSDP2 optimizer (which
+    leaves its groups as they were)."""
     for res in td.spawn("tests.test_fsdp2:hsdp_scenario", tmp_path):
         assert res["hsdp"] and "'embed.weight'" in res["hsdp"] and "2-D mesh" in res["hsdp"]
         assert res["replicated"] and "'w'" in res["replicated"] \
             and "Replicate" in res["replicated"]
+        assert res["mixed"] and "plain tensors beside FSDP2" in res["mixed"]
+        assert res["group"] and "mesh's group" in res["group"]
+        assert res["added"] and "FSDP2 DTensors" in res["added"] and res["groups"] == 1
 
 
-def test_a_failing_rank_fails_every_rank_under_fsdp2(tmp_path):
-    """Rank 1's host job raises: rank 1 raises its own error, rank 0 a ShardError naming
-    rank 1, at the same apply point, well within ``host_timeout``; no hang."""
-    a, b = td.spawn("tests.test_fsdp2:failure_scenario", tmp_path)
+@pytest.mark.parametrize("scenario", ["failure_scenario", "failure_in_warmup_scenario"])
+def test_a_failing_rank_fails_every_rank_under_fsdp2(tmp_path, scenario):
+    """Rank 1's host job raises (a windowed one, or a warm-up one that writes the params
+    itself): rank 1 raises its own error, rank 0 a ShardError naming rank 1, at the same
+    apply point, well within ``host_timeout``; no hang."""
+    a, b = td.spawn(f"tests.test_fsdp2:{scenario}", tmp_path)
     assert b["failed"] and "injected host failure on rank 1" in b["failed"], b
     assert a["failed"] and "ShardError" in a["failed"] and "rank(s) [1]" in a["failed"], a
     assert a["seconds"] < 60 and b["seconds"] < 60, (a, b)
@@ -380,20 +403,8 @@ def test_the_fsdp2_example_runs_under_torchrun(tmp_path):
     """examples/train_fsdp2.py on 2 gloo ranks (torchrun --standalone): it trains with
     global-norm clipping, saves through DCP, prints every rank's optimizer memory, and
     checks that every rank made the same selections (exit status 1 if not)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK",
-                                                                      "WORLD_SIZE", "LOCAL_"))}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "examples/train_fsdp2.py", "--steps", "12", "--save", str(tmp_path / "ck")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    out = td.torchrun(["examples/train_fsdp2.py", "--steps", "12", "--save",
+                       str(tmp_path / "ck")])
     assert "world 2: the same selections on every rank: True" in out, out[-3000:]
     assert "rank 1: host state" in out and (tmp_path / "ck" / ".metadata").exists()
 

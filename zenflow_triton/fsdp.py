@@ -55,13 +55,21 @@ def check_param(p: torch.Tensor, name: str) -> None:
 
 def mesh_group(params: Iterable[torch.Tensor]):
     """The process group of the params' mesh, or None when none is a DTensor; ValueError
-    when they lie on different meshes (one optimizer shards over one group)."""
-    meshes = []
+    when they lie on different meshes (one optimizer shards over one group) or are a mix of
+    DTensors and plain tensors (a plain one's rows would be counted once per rank)."""
+    meshes, plain = [], 0
     for p in params:
-        if is_dtensor(p) and not any(p.device_mesh is m or p.device_mesh == m for m in meshes):
+        if not is_dtensor(p):
+            plain += 1
+        elif not any(p.device_mesh is m or p.device_mesh == m for m in meshes):
             meshes.append(p.device_mesh)
     if not meshes:
         return None
+    if plain:
+        raise ValueError(f"{plain} param(s) are plain tensors beside FSDP2's DTensors; "
+                         "ZenFlowOptimizer takes one or the other (fully_shard every module "
+                         "whose params it optimizes, or give the plain ones their own "
+                         "optimizer)")
     if len(meshes) > 1:
         raise ValueError(f"the params lie on {len(meshes)} different device meshes; "
                          "ZenFlowOptimizer shards over one (give each mesh's params their "
@@ -133,16 +141,31 @@ def state_as_dtensors(st: dict, p: torch.Tensor) -> dict:
     this rank's rows are its local tensor), the column indices and counts as they are (the
     same on every rank). What ``torch.distributed.checkpoint.state_dict`` expects of an
     optimizer over FSDP2 params: it saves each rank's rows, or gathers them."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for key, value in st.items():
         if _has_rows(key, value):
-            shape = (p.shape[0], *value.shape[1:])
-            value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                       shape=shape, stride=_contiguous_strides(shape))
+            value = _wrap(value, p, (p.shape[0], *value.shape[1:]))
         out[key] = value
     return out
+
+
+def _wrap(value: torch.Tensor, p: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """``value`` (this rank's rows, where it lies) as a DTensor of ``p``'s mesh and
+    placement with global ``shape``. Not ``DTensor.from_local``: that moves a local tensor
+    to the mesh's device type, which would copy every host half onto the accelerator at
+    each ``state_dict()`` (a host half stays in host memory, as FSDP2's own CPU offload
+    keeps its shards)."""
+    from torch.distributed.tensor import DTensor
+
+    stride = _contiguous_strides(shape)
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    except ImportError:  # another torch layout: the public door (moves across devices)
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                  shape=shape, stride=stride)
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), stride, value.dtype))
+    return DTensor(value.view_as(value), spec, requires_grad=False)
 
 
 def state_as_local(saved: dict, p: torch.Tensor, rows: tuple[int, int]) -> dict:

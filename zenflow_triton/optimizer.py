@@ -95,9 +95,11 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self.link = Link()
         # FSDP2 split the rows already: the ranks reduce and vote over the mesh's group.
         mesh = mesh_group(self._params())
-        self._shard = RowShard(process_group if process_group is not None or mesh is None
-                               else mesh, timeout=self.config.host_timeout,
-                               split_rows=mesh is None)
+        if mesh is not None and process_group is not None and process_group is not mesh:
+            raise ValueError("process_group: FSDP2 params reduce over their mesh's group; "
+                             "leave process_group=None")
+        self._shard = RowShard(process_group if mesh is None else mesh,
+                               timeout=self.config.host_timeout, split_rows=mesh is None)
         threads = self.config.host_threads or max(1, torch.get_num_threads())
         self._host_adamw = HostAdamW(threads, self.config.chunk_size, self.config.host_timeout,
                                      cores=self.config.host_cores)
@@ -145,7 +147,18 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             index = len(getattr(self, "param_groups", []))
             check_group_flags(param_group, f"param group {index}")
         super().add_param_group(param_group)
-        if hasattr(self, "_states"):  # after construction: the new params' local tensors
+        if hasattr(self, "_states"):  # after construction: checked, and of the same kind
+            group = self.param_groups[-1]
+            fsdp = not self._shard.split_rows
+            try:
+                check_params([group], self._kind, self._param_name)
+                if any(is_dtensor(p) != fsdp for p in group["params"]):
+                    raise ValueError("add_param_group: the new params must be "
+                                     + ("FSDP2 DTensors" if fsdp else "plain tensors")
+                                     + ", as this optimizer's are")
+            except BaseException:
+                self.param_groups.pop()  # nothing of the refused group stays
+                raise
             self._states = LocalState(self.state, self._params())
 
     # ------------------------------------------------------------------ construction
@@ -235,7 +248,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         if cfg.check_finite and not defer:
             self._finite.check(work, self._global_step + 1)
         self._prepare_state(work)
-        self._guard.before(self._wait_before_step, self._shard.sharded, self._global_step)
+        self._guard.before(self._wait_before_step, self._shard.collective, self._global_step)
         if defer:
             self._finite.defer(work, self._global_step + 1, self._undo_of(work))
         with self._guard.whole_step(lambda: self._global_step):
@@ -389,11 +402,14 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         # agrees on the failure (one wait per apply), or the agreement alone.
         pending = [(local(p), st) for p in self._params() for st in (self.state.get(p),)
                    if isinstance(st, dict) and st.get("host_pending")]
-        if failure is not None and pending and self._shard.sharded:
-            apply_results(pending, {}, link=self.link, shard=self._shard, ops=self.ops,
-                          host_idx=self._dev.host_idx, failure=failure)  # raises
-        if failure is not None or not pending:
-            self._shard.agree(failure, "the host work")
+        if not self._shard.sharded:  # one process, or FSDP2 (every rank writes its own rows)
+            self._shard.agree(failure, "the host work")  # FSDP2: the vote, before anything
+        else:
+            if failure is not None and pending:
+                apply_results(pending, {}, link=self.link, shard=self._shard, ops=self.ops,
+                              host_idx=self._dev.host_idx, failure=failure)  # raises
+            if failure is not None or not pending:
+                self._shard.agree(failure, "the host work")
         stored, boxed_keys = self._pipeline.take_results()
         for p in stored:  # the job wrote these params itself
             self._states[p]["host_pending"] = False

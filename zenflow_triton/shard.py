@@ -102,9 +102,9 @@ class RowShard:
         rides in each all-gather), so an apply point waits on one collective, not two; a
         rank whose ``failure`` is set gives parts of the right shapes (their values are not
         used) and raises it, the others a :class:`ShardError`, before anything is returned."""
-        if not self.sharded:
-            if agree is not None:
-                self.agree(*agree)
+        if not self.sharded:  # (FSDP2 votes before: the optimizer's drain)
+            if agree is not None and agree[0] is not None:
+                raise agree[0]
             return list(parts)
         kinds: dict[tuple, list[int]] = {}
         for i, part in enumerate(parts):

@@ -297,7 +297,8 @@ def adamw_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
     it lacks."""
     betas = {i: g["betas"] for g in sd["param_groups"] for i in g["params"]}
     defaults = torch.optim.AdamW([torch.zeros(1)]).defaults
-    groups = [{**{k: v for k, v in defaults.items() if k not in g}, **g}
+    groups = [{**{k: v for k, v in defaults.items() if k not in g},
+               **{k: v for k, v in g.items() if k != SD_KEY}}  # (our meta: not AdamW's)
               for g in sd["param_groups"]]
     state = {i: to_adamw(params[i], st, *betas[i]) for i, st in sd["state"].items()
              if isinstance(i, int) and isinstance(st, dict) and "kind" in st}
