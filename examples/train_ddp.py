@@ -99,10 +99,18 @@ def main(argv=None) -> int:
                            update_interval=args.update_interval, min_offload_numel=1024)
     train(model, wl, opt, args.steps, rank, world)
     params = list(wl.model.parameters())
-    report_memory(opt, rank, world, args.steps, sum(p.numel() * p.element_size() for p in params))
-    same = same_on_every_rank(torch.cat([p.detach().reshape(-1) for p in params]), world)
+    return finish(opt, rank, world, args.steps, params,
+                  torch.cat([p.detach().reshape(-1) for p in params]), "params identical")
+
+
+def finish(opt, rank: int, world: int, steps: int, params, values: torch.Tensor,
+           what: str) -> int:
+    """Report the memory, check that every rank holds the same ``values`` (``what`` they
+    are), close; the exit status (1 if they differ)."""
+    report_memory(opt, rank, world, steps, sum(p.numel() * p.element_size() for p in params))
+    same = same_on_every_rank(values, world)
     if rank == 0:
-        print(f"world {world}: params identical on every rank: {same}")
+        print(f"world {world}: {what} on every rank: {same}")
     opt.close()
     dist.destroy_process_group()
     return 0 if same else 1

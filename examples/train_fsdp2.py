@@ -21,12 +21,10 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from train_ddp import (arguments, report_memory, same_on_every_rank, start,  # noqa: E402
-                       train)
+from train_ddp import arguments, finish, start, train  # noqa: E402
 from zenflow_triton import ZenFlowOptimizer  # noqa: E402
 
 
@@ -47,15 +45,9 @@ def main(argv=None) -> int:
                                                              get_optimizer_state_dict)
         dcp.save({"model": get_model_state_dict(model),
                   "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=args.save)
-    report_memory(opt, rank, world, args.steps,
-                  sum(p.numel() * p.element_size() for p in model.parameters()))
     picks = [s["device_idx"] for s in opt.state.values() if "device_idx" in s]
-    same = same_on_every_rank(torch.cat(picks), world)
-    if rank == 0:
-        print(f"world {world}: the same selections on every rank: {same}")
-    opt.close()
-    dist.destroy_process_group()
-    return 0 if same else 1
+    return finish(opt, rank, world, args.steps, list(model.parameters()), torch.cat(picks),
+                  "the same selections")
 
 
 if __name__ == "__main__":
