@@ -4,9 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1
-# Two workers: this machine's 2 cores (9 min instead of 15 for the suite here); a file whose
-# tests share cached runs keeps them on one worker (pytest.mark.xdist_group).
-.venv/bin/python -m pytest tests -q --timeout=600 -n 2 --dist loadgroup
+# Two workers: this machine's 2 cores (10 min instead of 15 for the suite here).
+.venv/bin/python -m pytest tests -q --timeout=600 -n 2 --dist worksteal
 # The tests that compare two implementations once more on the code paths another x86 CPU
 # would take (MKL's portable kernels or its SSE4.2 ones, ATen without vectorisation): their
 # tolerances must come from fp32 rounding, not from this CPU's last bits.

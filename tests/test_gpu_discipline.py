@@ -39,10 +39,6 @@ def idle(opt) -> None:
     assert opt._worker.submit(lambda: None, "test: idle").done.wait(60)
 
 
-# One xdist worker for this file: its tests share the cached runs below.
-pytestmark = pytest.mark.xdist_group("gpu_discipline")
-
-
 @functools.lru_cache(maxsize=None)
 def run_counting(n_layers: int, backend: str, dtype=torch.float32, overlap=True,
                  accumulate_on="device", check_finite_at="step"):

@@ -37,10 +37,6 @@ def train(model, opt, steps, seed=0):
         opt.step()
 
 
-# One xdist worker for this file: its tests share the cached runs below.
-pytestmark = pytest.mark.xdist_group("memory")
-
-
 @functools.lru_cache(maxsize=None)
 def per_param(mode: str) -> dict[str, float]:
     model = model16()
