@@ -61,7 +61,7 @@ def mesh_group(params: Iterable[torch.Tensor]):
     for p in params:
         if not is_dtensor(p):
             plain += 1
-        elif not any(p.device_mesh is m or p.device_mesh == m for m in meshes):
+        elif not any(p.device_mesh == m for m in meshes):
             meshes.append(p.device_mesh)
     if not meshes:
         return None
@@ -116,15 +116,14 @@ def localize(work: list, name_of: Callable[[torch.Tensor], str]) -> list:
     """``(group, param, grad)`` triples with each DTensor param and gradient replaced by
     their local tensors; TypeError naming a param whose gradient is not a DTensor of its
     placement (or is one while the param is not)."""
+    def layout(t: torch.Tensor) -> str:
+        return f"a DTensor placed {tuple(t.placements)}" if is_dtensor(t) else "a plain tensor"
+
     out = []
     for group, p, g in work:
-        if is_dtensor(p) != is_dtensor(g) or (
-                is_dtensor(p) and tuple(g.placements) != tuple(p.placements)):
-            raise TypeError(
-                f"{name_of(p)}: the gradient is "
-                f"{'a DTensor placed ' + str(tuple(g.placements)) if is_dtensor(g) else 'a plain tensor'}"
-                f" but the param is "
-                f"{'a DTensor placed ' + str(tuple(p.placements)) if is_dtensor(p) else 'a plain tensor'}")
+        if layout(p) != layout(g):
+            raise TypeError(f"{name_of(p)}: the gradient is {layout(g)} but the param is "
+                            f"{layout(p)}")
         out.append((group, local(p), local(g)))
     return out
 

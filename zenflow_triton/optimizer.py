@@ -230,7 +230,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = collect(self.param_groups, self._param_name)  # every gradient, validated
-        self._states = LocalState(self.state, self._params())
+        if not self._shard.split_rows:  # FSDP2 may have replaced a param's local tensor
+            self._states = LocalState(self.state, self._params())
         work = localize(work, self._param_name)  # FSDP2: this rank's rows
         self._check_hyper()  # a scheduler may have written them
         if not self._worker.alive:  # fail before this step changes anything
@@ -402,14 +403,13 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         # agrees on the failure (one wait per apply), or the agreement alone.
         pending = [(local(p), st) for p in self._params() for st in (self.state.get(p),)
                    if isinstance(st, dict) and st.get("host_pending")]
-        if not self._shard.sharded:  # one process, or FSDP2 (every rank writes its own rows)
-            self._shard.agree(failure, "the host work")  # FSDP2: the vote, before anything
-        else:
-            if failure is not None and pending:
-                apply_results(pending, {}, link=self.link, shard=self._shard, ops=self.ops,
-                              host_idx=self._dev.host_idx, failure=failure)  # raises
-            if failure is not None or not pending:
-                self._shard.agree(failure, "the host work")
+        # One process or FSDP2 (each rank writes its own rows): the vote alone, always.
+        sharded = self._shard.sharded
+        if sharded and failure is not None and pending:
+            apply_results(pending, {}, link=self.link, shard=self._shard, ops=self.ops,
+                          host_idx=self._dev.host_idx, failure=failure)  # raises
+        if not sharded or failure is not None or not pending:
+            self._shard.agree(failure, "the host work")
         stored, boxed_keys = self._pipeline.take_results()
         for p in stored:  # the job wrote these params itself
             self._states[p]["host_pending"] = False
