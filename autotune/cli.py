@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model", required=True, help="model preset: llama2-7b, llama2-13b, "
                                                    "qwen2.5-3b, opt-350m")
     pr.add_argument("--gpus", type=_pos_int, default=1, help="data-parallel GPUs (default 1)")
+    pr.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
+                    help="ddp: every GPU holds the whole model (default); fsdp2: "
+                         "fully_shard, every GPU holds 1/N of the params, gradients and "
+                         "device state (memory is per GPU either way)")
     pr.add_argument("--tokens", type=_pos_int, default=None,
                     help="tokens per GPU per optimizer step (default 4096)")
     pr.add_argument("--mfu", type=float, default=None,
@@ -589,7 +593,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 if not (k == "select_interval" and ("update_interval" in overrides
                                                     or "select_interval" in overrides))}
     cfg = M.zenflow_config(settings, **overrides)
-    preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg)
+    preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
     if args.plot:
         M.plot_timelines(preds, args.plot, title=f"{wl.name} on {hw.name}, {args.gpus} GPU(s), "
                                                  f"{wl.tokens} tokens/GPU/step (model)")
@@ -598,12 +602,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return EXIT_OK
     rate, how = hw.host_rate_and_source(args.gpus)
     other = "host" if cfg.accumulate_on == "device" else "device"
-    alt = M.predict(hw, wl, "zenflow", gpus=args.gpus, config=cfg.replace(accumulate_on=other))
+    alt = M.predict(hw, wl, "zenflow", gpus=args.gpus, config=cfg.replace(accumulate_on=other),
+                    sharding=args.sharding)
     shown = dict(preds)
     shown[f"zenflow (accumulate_on={other!r})"] = alt
     print(f"Model prediction (not a measurement): {wl.name} ({wl.numel / 1e9:.2f}B params, "
-          f"{wl.dtype}) on {hw.name}, {args.gpus} GPU(s), {wl.tokens} tokens per GPU per step, "
-          f"MFU {wl.mfu:g}; host AdamW {rate:.3g} elements/s per GPU ({how}).")
+          f"{wl.dtype}) on {hw.name}, {args.gpus} GPU(s) ({args.sharding}), {wl.tokens} "
+          f"tokens per GPU per step, MFU {wl.mfu:g}; host AdamW {rate:.3g} elements/s per GPU "
+          f"({how}).")
+    if args.sharding == "fsdp2" and args.gpus > 1:
+        print("fsdp2: memory per GPU is its rows of the params, gradients and state; the "
+              "all-gathered layers in flight and FSDP's own collectives are not modelled.")
     print(f"zenflow: topk_ratio={cfg.topk_ratio}, update_interval={cfg.update_interval}, "
           f"overlap={cfg.overlap}, accumulate_on={cfg.accumulate_on!r}, "
           f"dense_params={cfg.dense_params!r}. Memory excludes "

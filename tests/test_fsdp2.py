@@ -327,6 +327,20 @@ def test_fsdp2_ranks_follow_one_process_on_the_whole_batch(tmp_path):
     # Host memory per rank about halves (the rows split 17/16, 20/20, ...).
     assert a["host_bytes"] + b["host_bytes"] <= 1.05 * single_host
     assert max(a["host_bytes"], b["host_bytes"]) < 0.6 * single_host
+    # `zenflow-tune predict --sharding fsdp2` counts what the ranks hold on the device: the
+    # model's per-GPU figure is the ranks' mean (rows/N; the rows here split 17/16). (The
+    # host side is DDP's formula, checked against stats() in test_stepmodel; here the
+    # workers' scratch, sized to this tiny model's pieces, would dominate it.)
+    from autotune import stepmodel as S
+
+    hw = S.Hardware(name="test", device_flops=1e12, device_memory_bandwidth=1e11,
+                    link_bandwidth=1e9, host_adam_elements_per_s=1e9)
+    pred = S.predict(hw, S.Workload.from_module(Block()), "zenflow", gpus=2,
+                     sharding="fsdp2", **CFG)
+    state = sum(v for k, v in pred.memory["device"].items() if k not in ("params", "grads"))
+    assert a["device_bytes"] + b["device_bytes"] == pytest.approx(2 * state, rel=0.01)
+    numel = sum(p.numel() for p in Block().parameters())
+    assert pred.memory["device"]["params"] == pytest.approx(numel * 4 / 2)
 
 
 @pytest.mark.parametrize("scenario", ["topk_one_scenario", "interval_one_scenario"])

@@ -464,6 +464,52 @@ def test_cli_predict_options_change_the_prediction(capsys):
     assert every["zenflow"]["step_time_s"] > rare["zenflow"]["step_time_s"]
 
 
+def test_fsdp2_shards_the_device_side_and_leaves_the_host_side_as_under_ddp():
+    """Under FSDP2 each GPU holds 1/N of the params, gradients and device state (column
+    indices whole: every rank makes the same selection) and updates only its rows; the host
+    side is DDP's (the offloaded rows were already sharded 1/N). One GPU: no difference."""
+    h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-13b")
+    for mode in S.MODES:
+        one = S.predict(h, wl, mode, gpus=1).to_dict()
+        assert S.predict(h, wl, mode, gpus=1, sharding="fsdp2").to_dict() == one
+    for mode in S.MODES:
+        ddp = S.predict(h, wl, mode, gpus=4)
+        fsdp = S.predict(h, wl, mode, gpus=4, sharding="fsdp2")
+        assert fsdp.memory["host"] == ddp.memory["host"]
+        assert fsdp.link_bytes_per_step == ddp.link_bytes_per_step
+        for key, v in ddp.memory["device"].items():
+            if key in ("column indices", "window accumulator (rank's rows)",
+                       "optimizer state (sharded 1/N)"):
+                assert fsdp.memory["device"][key] == v     # whole, or sharded already
+            else:
+                assert fsdp.memory["device"][key] == pytest.approx(v / 4, rel=1e-12), key
+        assert fsdp.modelled_step_time_s <= ddp.modelled_step_time_s
+    # zenflow's device work (its rows' selective AdamW, scoring, scatter) is 1/4 as long
+    zf = {s: S.predict(h, wl, "zenflow", gpus=4, sharding=s, overlap=False)
+          for s in ("ddp", "fsdp2")}
+    assert zf["fsdp2"].modelled_step_time_s < zf["ddp"].modelled_step_time_s
+    assert S.predict(h, wl, "zenflow", gpus=4, sharding="fsdp2").fits
+    assert not S.predict(h, wl, "zenflow", gpus=4).fits  # 13B whole on each 80 GB GPU
+    with pytest.raises(S.StepModelError, match="unknown sharding 'zero3'.*ddp, fsdp2"):
+        S.predict(h, wl, "zenflow", gpus=4, sharding="zero3")
+
+
+def test_cli_predict_sharding_fsdp2_reports_per_gpu_memory(capsys):
+    args = ["predict", "--profile", "a100-pcie4", "--model", "llama2-13b", "--gpus", "4"]
+    assert cli.main(args + ["--json"]) == 0
+    ddp = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--json", "--sharding", "fsdp2"]) == 0
+    fsdp = json.loads(capsys.readouterr().out)
+    for mode in S.MODES:
+        assert fsdp[mode]["device_memory_bytes"] < ddp[mode]["device_memory_bytes"]
+        assert fsdp[mode]["host_memory_bytes"] == ddp[mode]["host_memory_bytes"]
+    assert cli.main(args + ["--sharding", "fsdp2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 GPU(s) (fsdp2)" in out and "not modelled" in out
+    assert cli.main(args + ["--sharding", "zero3"]) == cli.EXIT_USAGE
+    assert "invalid choice: 'zero3'" in capsys.readouterr().err
+
+
 def test_cli_predict_dense_params_moves_the_embeddings_between_sides(capsys):
     """The dense set (embed_tokens and lm_head of the preset) costs device memory and saves
     host memory and link bytes; --dense-params with no pattern splits them (as the built-in

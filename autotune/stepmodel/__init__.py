@@ -60,7 +60,7 @@ from .base import (_DTYPE_BYTES, DEFAULT_ACCELERATORS_PER_NODE,
                    DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE, DEFAULT_HOST_CORES_PER_ACCELERATOR,
                    DEFAULT_MFU, DEFAULT_SEQ_LEN, DEFAULT_TOKENS, DEVICE_ADAMW_BYTES_PER_ELEMENT,
                    HOST_ADAM_BYTES_PER_ELEMENT, HOST_MEMORY_EFFICIENCY, INDEX_BYTES, LANES,
-                   MODES, SCRATCH_BYTES_PER_THREAD, StepModelError)
+                   MODES, SCRATCH_BYTES_PER_THREAD, SHARDINGS, StepModelError)
 from .hardware import Hardware, _profile_hardware
 from .shapes import Layer, ParamSpec
 from .presets import PRESETS, _build_preset
@@ -79,7 +79,7 @@ from .calibrate import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, calibration
                         calibration_table)
 
 __all__ = [
-    "MODES", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
+    "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
     "Workload", "Segment", "Prediction", "predict", "predict_all", "host_update_seconds",
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",
     "DEFAULT_MFU", "DEFAULT_TOKENS", "DEFAULT_SEQ_LEN",

@@ -5,6 +5,10 @@ bad input. Nothing here imports another part of the model."""
 from __future__ import annotations
 
 MODES = ("adamw", "zero-offload", "zero-offload-dpu", "overlapped-offload", "zenflow")
+SHARDINGS = ("ddp", "fsdp2")
+"""How params are laid out over the GPUs: ``ddp`` (each GPU holds the whole model; the
+offloaded rows and ``adamw``'s state sharded 1/N) or ``fsdp2`` (``fully_shard``: params,
+gradients and every optimizer state sharded 1/N by rows)."""
 LANES = ("device", "link-down", "link-up", "host")
 
 

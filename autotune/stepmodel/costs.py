@@ -1,6 +1,7 @@
 """The durations and element counts one GPU's process sees: each layer's forward and backward
 time on the accelerator (FLOPs over MFU x peak), the offloadable and small params'
-elements, and the bandwidths and host rate the modes divide by."""
+elements, the bandwidths and host rate the modes divide by, and how much of the device
+state this GPU holds (all of it under DDP, 1/N under FSDP2)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class _Costs:
     """Every duration (s) and element count one GPU's process sees."""
 
     n_gpus: int
+    shard: int                      # the device state's divisor: n_gpus under fsdp2, else 1
     fwd: tuple[float, ...]          # per layer, forward order
     bwd: tuple[float, ...]
     matrix: tuple[float, ...]       # per layer: offloadable elements (all ranks)
@@ -27,7 +29,7 @@ class _Costs:
 
 
 def _costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
-           dense_params: tuple[str, ...] = ()) -> _Costs:
+           dense_params: tuple[str, ...] = (), sharding: str = "ddp") -> _Costs:
     hw.require_device()
     peak = hw.device_flops if wl.dtype != "float32" else (hw.device_flops_fp32
                                                            or hw.device_flops)
@@ -41,6 +43,7 @@ def _costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
         split = [p.is_matrix(min_offload_numel, dense_params) for p in layer.params]
         matrix.append(float(sum(p.numel for p, s in zip(layer.params, split) if s)))
         small += sum(p.numel for p, s in zip(layer.params, split) if not s)
-    return _Costs(gpus, tuple(fwd), tuple(bwd), tuple(matrix), float(small), float(wl.numel),
+    return _Costs(gpus, gpus if sharding == "fsdp2" else 1, tuple(fwd), tuple(bwd),
+                  tuple(matrix), float(small), float(wl.numel),
                   wl.param_bytes, hw.device_memory_bandwidth, hw.link_bandwidth,
                   hw.host_rate(gpus))

@@ -1,6 +1,8 @@
 """The memory each side needs per mode, by the optimizer's own byte accounting (README,
 "Memory"): params, grads and optimizer state on the device; master weights, moments,
-outbox, window accumulator, column indices and worker scratch on the host."""
+outbox, window accumulator, column indices and worker scratch on the host. Under FSDP2 the
+device's params, grads and state are this GPU's rows (1/N); the column indices are whole
+on every GPU (every rank makes the same selection)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from .workload import Workload
 
 
 def _memory(mode: str, wl: Workload, c: _Costs, cfg: Any, threads: int) -> dict[str, dict]:
-    b, n = c.b, c.n_gpus
+    b, n, d = c.b, c.n_gpus, c.shard       # d: N under FSDP2 (this GPU's rows), else 1
     master = 12 if b < 4 else 8            # fp32 master (a bf16 param needs one), m, v
-    dev: dict[str, float] = {"params": c.total * b, "grads": c.total * b}
+    dev: dict[str, float] = {"params": c.total * b / d, "grads": c.total * b / d}
     host: dict[str, float] = {}
     P = sum(c.matrix)
     s = _DTYPE_BYTES[cfg.host_state_dtype]
@@ -24,7 +26,7 @@ def _memory(mode: str, wl: Workload, c: _Costs, cfg: Any, threads: int) -> dict[
     if mode == "adamw":
         dev["optimizer state (sharded 1/N)"] = c.total * master / n
     else:
-        dev["small params' AdamW state"] = c.small * master
+        dev["small params' AdamW state"] = c.small * master / d
     if mode in ("zero-offload", "zero-offload-dpu", "overlapped-offload"):
         host["master + moments"] = P / n * (4 + 2 * s)
         host["worker scratch"] = scratch + moment_scratch
@@ -46,7 +48,7 @@ def _memory(mode: str, wl: Workload, c: _Costs, cfg: Any, threads: int) -> dict[
             if k > 0:
                 idx += p.cols * INDEX_BYTES
         a = _DTYPE_BYTES[cfg.accumulator_dtype]
-        dev["device-owned columns' AdamW state"] = e_dev * master
+        dev["device-owned columns' AdamW state"] = e_dev * master / d
         dev["column indices"] = idx
         windowed = cfg.update_interval > 1 and e_host > 0
         if windowed and cfg.accumulate_on == "device":

@@ -29,7 +29,7 @@ def _adamw(c: _Costs, K: int):
 
 
 def _small_adam(c: _Costs) -> float:
-    return c.small * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
+    return c.small / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
 
 
 def _zero_offload(c: _Costs, K: int):
@@ -128,12 +128,15 @@ def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     windowed = K > 1 and h > 0
     on_host = windowed and cfg.accumulate_on == "host"
     selects = 0 < cfg.topk_ratio < 1
-    dev_update = (c.small + e_dev) * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
-    score = (sum(c.matrix) * g / c.Bm / cfg.effective_select_interval) if selects else 0.0
+    # Under FSDP2 this GPU updates, scores and scatters its own rows only (c.shard = N);
+    # under DDP every GPU does the whole device half and scatters every gathered row.
+    dev_update = (c.small + e_dev) / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
+    score = (sum(c.matrix) / c.shard * g / c.Bm / cfg.effective_select_interval
+             if selects else 0.0)
     acc = h * (g + 2 * a) / c.Bm if windowed and not on_host else 0.0
     gather = h * 2 * g / c.Bm if on_host else 0.0
     mean = h * (a + b) / c.Bm if windowed and not on_host else 0.0
-    scatter = e_host * 2 * b / c.Bm if cfg.topk_ratio > 0 and h > 0 else 0.0
+    scatter = e_host / c.shard * 2 * b / c.Bm if cfg.topk_ratio > 0 and h > 0 else 0.0
     down_window = h * (b if windowed else g) / c.BL if not on_host else 0.0
     down_step = h * g / c.BL if on_host else 0.0
     host_add = h * (g + 2 * a) / HOST_ADAM_BYTES_PER_ELEMENT / c.R if on_host else 0.0

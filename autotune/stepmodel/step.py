@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .base import DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, StepModelError
+from .base import DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SHARDINGS, StepModelError
 from .costs import _costs
 from .hardware import Hardware
 from .memory import _memory
@@ -18,22 +18,27 @@ from .workload import Workload
 
 def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any = None,
             window_steps: int | None = None, prefetch_result: bool = False,
-            **settings: Any) -> Prediction:
+            sharding: str = "ddp", **settings: Any) -> Prediction:
     """Predict one mode's steady-state window (``window_steps`` steps, default the zenflow
     ``update_interval``). ``config`` (a ZenFlowConfig or dict) and ``settings`` (its fields,
     e.g. ``topk_ratio=0.1, update_interval=4, overlap=True, accumulate_on="device"``) are the
     ZenFlow settings; the other modes use only ``min_offload_numel``, ``host_state_dtype``
     and ``host_threads`` from them (which params stay on the device, host state bytes,
-    scratch)."""
+    scratch). ``sharding``: ``"ddp"`` (each GPU holds the whole model) or ``"fsdp2"``
+    (``fully_shard``: each GPU holds 1/N of the params, gradients and device state, and
+    updates only its rows)."""
     if mode not in MODES:
         raise StepModelError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise StepModelError(f"gpus must be an int >= 1, got {gpus!r}")
+    if sharding not in SHARDINGS:
+        raise StepModelError(f"unknown sharding {sharding!r}; shardings: "
+                             f"{', '.join(SHARDINGS)}")
     cfg = zenflow_config(config, **settings)
     K = window_steps or cfg.update_interval
     # ZenFlow keeps its dense set whole on the device; the other modes offload every matrix.
     c = _costs(hw, wl, gpus, cfg.min_offload_numel,
-               cfg.dense_params if mode == "zenflow" else ())
+               cfg.dense_params if mode == "zenflow" else (), sharding)
     procs = hw.processes_per_host(gpus)
     threads = cfg.host_threads or (max(1, hw.host_cores // procs) if hw.host_cores
                                    else DEFAULT_HOST_CORES_PER_ACCELERATOR)
@@ -43,7 +48,7 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     out_settings = None
     if mode == "adamw":
         (lanes, starts), down_b, up_b = _adamw(c, K), 0.0, 0.0
-        if gpus > 1:
+        if gpus > 1 and sharding == "ddp":
             notes.append("optimizer state sharded over the GPUs (ZeRO-1/2); its all-gather "
                          "is not modelled")
     elif mode == "zero-offload":
@@ -86,7 +91,8 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
 
 
 def predict_all(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
-                modes: Sequence[str] = MODES, **settings: Any) -> dict[str, Prediction]:
+                modes: Sequence[str] = MODES, sharding: str = "ddp",
+                **settings: Any) -> dict[str, Prediction]:
     """:func:`predict` for every mode, windows of the zenflow ``update_interval`` steps."""
     cfg = zenflow_config(config, **settings)
-    return {m: predict(hw, wl, m, gpus=gpus, config=cfg) for m in modes}
+    return {m: predict(hw, wl, m, gpus=gpus, config=cfg, sharding=sharding) for m in modes}
