@@ -121,8 +121,8 @@ def train_scenario(rank: int) -> dict:
         row_state = sum(v.numel() * v.element_size() for p in model.parameters()
                         for k, v in opt.state[p].items()
                         if k in ("device_m", "device_v", "acc", "exp_avg", "exp_avg_sq"))
-        try:  # not yet under FSDP2: refused, naming what to use instead
-            opt.save_sharded(os.path.join(td.OUT, "unused"))
+        try:  # not under FSDP2: refused, naming what to use instead
+            opt.to_adamw_state_dict()
             refused = None
         except NotImplementedError as e:
             refused = str(e)
@@ -222,6 +222,7 @@ def dcp_scenario(rank: int) -> dict:
     with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
         train(model, opt, data[:6], rank, world)
         dcp.save(_dcp_state(model, opt), checkpoint_id=path)
+        opt.save_sharded(os.path.join(td.OUT, "sharded"))  # the optimizer's own door
         full = get_optimizer_state_dict(model, opt,
                                         options=StateDictOptions(full_state_dict=True))
         train(model, opt, data[6:], rank, world)
@@ -236,6 +237,25 @@ def dcp_resume_scenario(rank: int) -> dict:
     model = sharded_model()
     with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
         _dcp_load(model, opt, path)
+        steps = opt.stats()["steps"]
+        train(model, opt, batches(12)[6:], rank, dist.get_world_size())
+        opt.synchronize()
+        return dict(got=_gathered(model), steps=steps)
+
+
+def sharded_resume_scenario(rank: int) -> dict:
+    """As ``dcp_resume_scenario``, the optimizer through ``load_sharded`` (its template
+    from the checkpoint's metadata, not from a fresh optimizer's state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+    top = os.path.dirname(td.OUT)
+    model = sharded_model()
+    sd = {"model": get_model_state_dict(model)}
+    dcp.load(sd, checkpoint_id=os.path.join(top, "ckpt"))
+    set_model_state_dict(model, sd["model"])
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
+        opt.load_sharded(os.path.join(top, "sharded"))
         steps = opt.stats()["steps"]
         train(model, opt, batches(12)[6:], rank, dist.get_world_size())
         opt.synchronize()
@@ -399,10 +419,32 @@ def test_fsdp2_dcp_checkpoint_resumes_bit_for_bit_and_loads_into_one_process(tmp
     with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
         _dcp_load(model, opt, a["path"], no_dist=True)
         assert opt.stats()["steps"] == 6
+        at_6 = [p.detach().clone() for p in model.parameters()]
         train(model, opt, batches(12)[6:])
         opt.synchronize()
         got = [p.detach().clone() for p in model.parameters()]
     assert_trajectories_close(got, a["want"], 12, LR * RESUME_CFG["update_interval"])
+    # save_sharded() / load_sharded() under FSDP2 write and read the same layout: a fresh
+    # pair of ranks resumes bit for bit, and one process (plain params) loads it too.
+    (tmp_path / "again").mkdir()
+    for res, want in zip(td.spawn("tests.test_fsdp2:sharded_resume_scenario",
+                                  tmp_path / "again"), (a, b)):
+        assert res["steps"] == 6
+        for x, y in zip(res["got"], want["want"]):
+            assert torch.equal(x, y)
+    model = Block()
+    for p, w in zip(model.parameters(), at_6):
+        p.data.copy_(w)
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
+        opt.load_sharded(tmp_path / "sharded")
+        for p, st in zip(model.parameters(), opt.state.values()):
+            assert all(v.shape[0] == p.shape[0] for k, v in st.items()
+                       if isinstance(v, torch.Tensor) and v.dim() and not k.endswith("_idx"))
+        train(model, opt, batches(12)[6:])
+        opt.synchronize()
+        again = [p.detach().clone() for p in model.parameters()]
+    for x, y in zip(again, got):
+        assert torch.equal(x, y)  # the same state as through DCP's state_dict API
 
 
 def test_hsdp_and_other_dtensors_are_refused_by_name(tmp_path):

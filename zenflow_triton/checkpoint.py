@@ -5,7 +5,8 @@ Works on a state dict, the params and the row shard (``ZenFlowOptimizer.save_sha
 
 ``opt.state_dict()`` gives the full form: under data parallelism it gathers every rank's
 rows of every host half onto every rank, which a large model may not afford. Here each rank
-writes only its own rows instead: the host halves (``host_master``, ``host_m``, ``host_v``)
+writes only its own rows instead (under FSDP2 the state dict's per-row tensors are DTensors
+already, device halves included, and are written and read as they are laid out): the host halves (``host_master``, ``host_m``, ``host_v``)
 and the window accumulator (on either side) become DTensors sharded by rows
 (``Shard(0)``: the row split of ``shard.RowShard`` is ``torch.chunk``'s, which is DTensor's),
 the device state is replicated (DCP writes it once), and the rest is JSON. DCP reshards on
@@ -25,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .fsdp import is_dtensor, rows_template
 from .partition import MATRIX, state_side
 from .shard import ROW_SHARDED, RowShard
 
@@ -71,6 +73,8 @@ def save_sharded(sd: dict, params: Sequence[torch.Tensor], shard: RowShard, chec
         for key, value in st.items():
             if not isinstance(value, torch.Tensor):
                 meta[key] = value
+            elif is_dtensor(value):  # FSDP2: already this rank's rows of the param's layout
+                flat[f"state.{i}.{key}"] = value
             elif mesh is not None and key in ROW_SHARDED and st.get("kind") == MATRIX:
                 width = value.shape[1]
                 flat[f"state.{i}.{key}"] = DTensor.from_local(
@@ -79,7 +83,7 @@ def save_sharded(sd: dict, params: Sequence[torch.Tensor], shard: RowShard, chec
             else:
                 flat[f"state.{i}.{key}"] = value
         flat[f"state.{i}.meta"] = json.dumps(meta)
-    dcp_kwargs.setdefault("no_dist", not shard.sharded)  # a single process: no collectives
+    dcp_kwargs.setdefault("no_dist", not shard.collective)  # one process: no collectives
     with _single_process_is_meant():
         dcp.save(flat, checkpoint_id=checkpoint_id, process_group=shard.group, **dcp_kwargs)
 
@@ -110,14 +114,18 @@ def read_sharded(params: Sequence[torch.Tensor], shard: RowShard, accumulate_on:
         size, dtype = torch.Size(md.size), md.properties.dtype
         host = state_side(name, accumulate_on) == "host"
         device = torch.device("cpu") if host else params[i].device
-        if mesh is not None and name in ROW_SHARDED and len(size) == 2 and size[0] == rows[i]:
+        fsdp = rows_template(params[i], name, size, dtype, device,
+                             shard.chunk_rows(size[0])) if is_dtensor(params[i]) else None
+        if fsdp is not None:  # FSDP2: this rank's rows, laid out as its param
+            template[key] = fsdp
+        elif mesh is not None and name in ROW_SHARDED and len(size) == 2 and size[0] == rows[i]:
             r0, r1 = shard.rows(size[0])
             local = torch.empty((r1 - r0, size[1]), dtype=dtype, device=device)
             template[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                                shape=size, stride=(size[1], 1))
         else:
             template[key] = torch.empty(size, dtype=dtype, device=device)
-    dcp_kwargs.setdefault("no_dist", not shard.sharded)
+    dcp_kwargs.setdefault("no_dist", not shard.collective)
     with _single_process_is_meant():
         dcp.load(template, checkpoint_id=checkpoint_id, storage_reader=reader,
                  process_group=shard.group, **dcp_kwargs)
@@ -129,7 +137,9 @@ def read_sharded(params: Sequence[torch.Tensor], shard: RowShard, accumulate_on:
         st = state.setdefault(int(i), {})
         if name == "meta":
             st.update(json.loads(value))
+        elif isinstance(value, DTensor) and not is_dtensor(params[int(i)]):
+            st[name] = value.to_local()  # DDP: this rank's rows of a host half
         else:
-            st[name] = value.to_local() if isinstance(value, DTensor) else value
+            st[name] = value  # FSDP2's DTensors as they are: load_state_dict takes them
     return {"param_groups": json.loads(template["param_groups"]),
             "zenflow": json.loads(template["zenflow"]), "state": state}

@@ -167,6 +167,17 @@ def _wrap(value: torch.Tensor, p: torch.Tensor, shape: tuple) -> torch.Tensor:
     return DTensor(value.view_as(value), spec, requires_grad=False)
 
 
+def rows_template(p: torch.Tensor, key: str, size: torch.Size, dtype: torch.dtype,
+                  device: torch.device, rows: tuple[int, int]) -> torch.Tensor | None:
+    """An empty DTensor of ``p``'s placement to read this rank's ``rows`` of a saved state
+    tensor of global ``size`` into (a checkpoint reader's template), ``device`` holding
+    them; None for a tensor not laid out by ``p``'s rows (column indices, counts)."""
+    if len(size) < 1 or key.endswith("_idx") or size[0] != p.shape[0]:
+        return None
+    mine = torch.empty((rows[1] - rows[0], *size[1:]), dtype=dtype, device=device)
+    return _wrap(mine, p, tuple(size))
+
+
 def state_as_local(saved: dict, p: torch.Tensor, rows: tuple[int, int]) -> dict:
     """A saved param state as this rank holds it: a DTensor as this rank's rows of it (its
     local tensor when placed as the param is, else the rows of its full tensor), a whole

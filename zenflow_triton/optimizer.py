@@ -499,14 +499,12 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         the host halves (collective); :meth:`load_sharded` reads it into any world size.
         See ``zenflow_triton.checkpoint``."""
         from .checkpoint import save_sharded
-        self._not_under_fsdp2("save_sharded()")
         save_sharded(self._state_dict(gather=False), self._params(), self._shard,
                      checkpoint_id, **dcp_kwargs)
 
     def load_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
         """Load a :meth:`save_sharded` checkpoint (collective; any world size)."""
         from .checkpoint import read_sharded
-        self._not_under_fsdp2("load_sharded()")
         self.load_state_dict(read_sharded(self._params(), self._shard,
                                           self.config.accumulate_on, checkpoint_id,
                                           **dcp_kwargs))
@@ -543,6 +541,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         if not self._shard.split_rows:
             raise NotImplementedError(
                 f"{what} is not supported for FSDP2 params yet; save and load through "
+                "save_sharded() / load_sharded(), or "
                 "torch.distributed.checkpoint.state_dict (get_optimizer_state_dict / "
                 "set_optimizer_state_dict), which state_dict() and load_state_dict() serve "
                 "(docs/distributed.md)")
