@@ -9,7 +9,11 @@ line per variant and ``compiled N of M``; exits 1 when any variant fails.
 Each compiled variant's Triton IR is also checked for index arithmetic that could wrap past
 2**31 (:func:`i32_products`): a param, a gradient or the arena may hold more elements than an
 int32 counts, so every product that involves a runtime size, stride or count (a kernel's
-integer argument, or anything computed from one) must be int64.
+integer argument, or anything computed from one) must be int64. And its TritonGPU IR for
+coalescing (:func:`lanes_across_rows`): every 2-D tile is [rows, k] with a warp's lanes
+along k, so the compact device state ([rows, k], row-major) is read and written in whole
+128-byte runs per warp, and the param's selected columns of one row share sectors
+wherever they are neighbours.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ir_checks import i32_products  # noqa: E402
+from ir_checks import i32_products, lanes_across_rows  # noqa: E402
 from zenflow_triton.kernels import (accumulate, adamw, column_scores, columns,  # noqa: E402
                                     scatter_multi, selective_adamw, selective_adamw_multi)
 
@@ -106,6 +110,10 @@ def main() -> int:
             wraps = i32_products(compiled.asm["ttir"])
             if wraps:
                 print("FAIL", label, "i32 product of a runtime size:", "; ".join(wraps))
+                continue
+            strided = lanes_across_rows(compiled.asm["ttgir"])
+            if strided:
+                print("FAIL", label, "a warp's lanes across rows:", "; ".join(strided))
                 continue
             done += 1
             print("ok  ", label)

@@ -63,3 +63,28 @@ def test_i32_products_flags_runtime_sizes_only():
 """
     assert i32_products(ir) == ["%3 = arith.muli %2, %c : i32",
                                 "%9 = arith.muli %r, %8 : tensor<64xi32>"]
+
+
+def test_lanes_across_rows_flags_warps_that_do_not_walk_a_row():
+    """The coalescing rule ``gpu_compile_check.py`` applies to every compiled variant: a
+    2-D access whose layout puts a warp's lanes along the last dimension (order [1, 0], 32
+    or at least 8 elements of a row) passes; lanes across rows (order [0, 1], or 1 element
+    of each of 32 rows) are flagged; 1-D accesses are not 2-D tiles."""
+    from .ir_checks import lanes_across_rows
+
+    ir = """
+#blocked = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [2, 2], order = [1, 0]}>
+#blocked1 = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [32, 1], warpsPerCTA = [2, 2], order = [1, 0]}>
+#blocked2 = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [1, 4], order = [0, 1]}>
+#blocked3 = #ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [4, 8], warpsPerCTA = [4, 1], order = [1, 0]}>
+#blocked4 = #ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], order = [0]}>
+    %m = tt.load %0, %mask : tensor<32x64x!tt.ptr<f32>, #blocked> loc(#loc1)
+    tt.store %1, %x, %mask : tensor<32x64x!tt.ptr<f32>, #blocked1> loc(#loc2)
+    %g = tt.load %2, %mask : tensor<32x64x!tt.ptr<bf16>, #blocked2> loc(#loc3)
+    %v = tt.load %3, %mask : tensor<16x32x!tt.ptr<f32>, #blocked3> loc(#loc4)
+    %i = tt.load %4, %mk : tensor<64x!tt.ptr<i64>, #blocked4> loc(#loc5)
+"""
+    flagged = lanes_across_rows(ir)
+    assert len(flagged) == 2
+    assert flagged[0].startswith("tt.store tensor<32x64> #blocked1")
+    assert flagged[1].startswith("tt.load tensor<32x64> #blocked2")
