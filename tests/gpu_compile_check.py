@@ -31,7 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ir_checks import i32_products, lanes_across_rows  # noqa: E402
+from ir_checks import i32_products, lanes_across_rows, vector_accesses  # noqa: E402
 from zenflow_triton.kernels import (accumulate, adamw, column_scores, columns,  # noqa: E402
                                     scatter_multi, selective_adamw, selective_adamw_multi)
 
@@ -87,6 +87,9 @@ KERNELS = [  # (kernel, constexprs given the param dtype[, pointer types overrid
                      BLOCK_R=32, BLOCK_K=64)),
     (adamw._adamw_multi_kernel,
      lambda pd: dict(W=6, SEARCH=8, HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK=2048)),
+    (adamw._adamw_multi_kernel,  # the host vouched for alignment: 128-bit accesses expected
+     lambda pd: dict(W=6, SEARCH=8, HAS_MASTER=pd != "fp32", SOFT_BF16=False, BLOCK=2048,
+                     ALIGNED=True)),
     (scatter_multi._scatter_columns_multi_kernel,
      lambda pd: dict(W=9, SEARCH=8, SOFT_BF16=False, BLOCK_R=32, BLOCK_K=64)),
 ]
@@ -101,7 +104,7 @@ def main() -> int:
         overrides = entry[2] if len(entry) > 2 else {}
         total += 1
         label = (f"{kernel.fn.__name__} p={p_dtype} g={g_dtype} "
-                 f"{' '.join(f'{k}={v}' for k, v in consts(p_dtype).items() if k == 'ACC_BF16')}"
+                 f"{' '.join(f'{k}={v}' for k, v in consts(p_dtype).items() if k in ('ACC_BF16', 'ALIGNED'))}"
                  f"{' '.join(f'{k}={v}' for k, v in overrides.items())}").rstrip()
         try:
             sig = {**signature(kernel, p_dtype, g_dtype), **overrides}
@@ -114,6 +117,9 @@ def main() -> int:
             strided = lanes_across_rows(compiled.asm["ttgir"])
             if strided:
                 print("FAIL", label, "a warp's lanes across rows:", "; ".join(strided))
+                continue
+            if consts(p_dtype).get("ALIGNED") and not vector_accesses(compiled.asm["ptx"]):
+                print("FAIL", label, "ALIGNED, yet no 128-bit load and store in the PTX")
                 continue
             done += 1
             print("ok  ", label)

@@ -60,3 +60,10 @@ def lanes_across_rows(ttgir: str, min_run: int = 8) -> list[str]:
         if order != [1, 0] or run < min(min_run, int(m.group(3))):
             out.append(f"{m.group(1)} tensor<{m.group(2)}x{m.group(3)}> {m.group(4)}: {attrs}")
     return out
+
+
+def vector_accesses(ptx: str) -> bool:
+    """Whether ``ptx`` loads and stores global memory 128 bits at a time (``.v4.b32``):
+    what a flat kernel over 16-byte aligned tensors should compile to."""
+    return bool(re.search(r"ld\.global[\w.]*\.v4\.b32", ptx)) and \
+        bool(re.search(r"st\.global[\w.]*\.v4\.b32", ptx))

@@ -230,36 +230,31 @@ def dcp_scenario(rank: int) -> dict:
         return dict(want=_gathered(model), path=path, full=full)
 
 
-def dcp_resume_scenario(rank: int) -> dict:
+def resume_scenario(rank: int) -> dict:
     """New processes: a fresh model and optimizer load the checkpoint of ``dcp_scenario``
-    (in the directory above this run's) and train its last 6 steps."""
-    path = os.path.join(os.path.dirname(td.OUT), "ckpt")
-    model = sharded_model()
-    with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
-        _dcp_load(model, opt, path)
-        steps = opt.stats()["steps"]
-        train(model, opt, batches(12)[6:], rank, dist.get_world_size())
-        opt.synchronize()
-        return dict(got=_gathered(model), steps=steps)
-
-
-def sharded_resume_scenario(rank: int) -> dict:
-    """As ``dcp_resume_scenario``, the optimizer through ``load_sharded`` (its template
-    from the checkpoint's metadata, not from a fresh optimizer's state)."""
+    (in the directory above this run's) and train its last 6 steps; then another pair does
+    the same with the optimizer through ``load_sharded`` (its template from the
+    checkpoint's metadata, not from a fresh optimizer's state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          set_model_state_dict)
     top = os.path.dirname(td.OUT)
-    model = sharded_model()
-    sd = {"model": get_model_state_dict(model)}
-    dcp.load(sd, checkpoint_id=os.path.join(top, "ckpt"))
-    set_model_state_dict(model, sd["model"])
-    with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
-        opt.load_sharded(os.path.join(top, "sharded"))
-        steps = opt.stats()["steps"]
-        train(model, opt, batches(12)[6:], rank, dist.get_world_size())
-        opt.synchronize()
-        return dict(got=_gathered(model), steps=steps)
+    out = {}
+    for way in ("dcp", "sharded"):
+        model = sharded_model()
+        with ZenFlowOptimizer(model.parameters(), lr=LR, **RESUME_CFG) as opt:
+            if way == "dcp":
+                _dcp_load(model, opt, os.path.join(top, "ckpt"))
+            else:
+                sd = {"model": get_model_state_dict(model)}
+                dcp.load(sd, checkpoint_id=os.path.join(top, "ckpt"))
+                set_model_state_dict(model, sd["model"])
+                opt.load_sharded(os.path.join(top, "sharded"))
+            steps = opt.stats()["steps"]
+            train(model, opt, batches(12)[6:], rank, dist.get_world_size())
+            opt.synchronize()
+            out[way] = dict(got=_gathered(model), steps=steps)
+    return out
 
 
 def failure_scenario(rank: int, **cfg) -> dict:
@@ -400,16 +395,19 @@ def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path):
 def test_fsdp2_dcp_checkpoint_resumes_bit_for_bit_and_loads_into_one_process(tmp_path):
     """Saved through ``torch.distributed.checkpoint`` at step 6 (mid-window, a host result
     pending) on 2 ranks, loaded by a fresh model and optimizer in new processes: the next 6
-    steps equal the uninterrupted run bit for bit. The full form (``full_state_dict=True``) holds every
-    row. One process loads the same checkpoint (DCP reshards 2 ranks to 1) and follows the
-    2-rank run on the whole batch to fp32 rounding."""
+    steps equal the uninterrupted run bit for bit, through DCP's state dict API and through
+    the optimizer's save_sharded/load_sharded alike. The full form
+    (``full_state_dict=True``) holds every row. One process loads the same checkpoints (DCP
+    reshards 2 ranks to 1) and follows the 2-rank run on the whole batch to fp32 rounding,
+    the same through both doors."""
     a, b = td.spawn("tests.test_fsdp2:dcp_scenario", tmp_path)
     (tmp_path / "resume").mkdir()
-    for res, want in zip(td.spawn("tests.test_fsdp2:dcp_resume_scenario",
-                                  tmp_path / "resume"), (a, b)):
-        assert res["steps"] == 6
-        for x, y in zip(res["got"], want["want"]):
-            assert torch.equal(x, y)
+    for both, want in zip(td.spawn("tests.test_fsdp2:resume_scenario", tmp_path / "resume"),
+                          (a, b)):
+        for way in ("dcp", "sharded"):  # DCP's state dict API; save_sharded/load_sharded
+            assert both[way]["steps"] == 6, way
+            for x, y in zip(both[way]["got"], want["want"]):
+                assert torch.equal(x, y), way
     model = Block()
     full = a["full"]["state"]
     for name, p in model.named_parameters():
@@ -424,14 +422,7 @@ def test_fsdp2_dcp_checkpoint_resumes_bit_for_bit_and_loads_into_one_process(tmp
         opt.synchronize()
         got = [p.detach().clone() for p in model.parameters()]
     assert_trajectories_close(got, a["want"], 12, LR * RESUME_CFG["update_interval"])
-    # save_sharded() / load_sharded() under FSDP2 write and read the same layout: a fresh
-    # pair of ranks resumes bit for bit, and one process (plain params) loads it too.
-    (tmp_path / "again").mkdir()
-    for res, want in zip(td.spawn("tests.test_fsdp2:sharded_resume_scenario",
-                                  tmp_path / "again"), (a, b)):
-        assert res["steps"] == 6
-        for x, y in zip(res["got"], want["want"]):
-            assert torch.equal(x, y)
+    # save_sharded() under FSDP2 (resumed bit for bit above) loads into one process too.
     model = Block()
     for p, w in zip(model.parameters(), at_6):
         p.data.copy_(w)

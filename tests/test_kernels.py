@@ -539,6 +539,39 @@ def test_adamw_multi_equals_per_tensor_launches(dtype):
             assert (s is None and t is None) or torch.equal(s, t), i
 
 
+def test_adamw_multi_promises_alignment_only_when_the_host_checked_it():
+    """The flat multi-tensor AdamW tells Triton its tensors are 16-byte aligned with a
+    numel that is a multiple of 8 (``ALIGNED``: 128-bit accesses, which
+    ``gpu_compile_check.py`` finds in the PTX) only when every tensor of the launch is: a
+    slice at an odd storage offset, or a numel of 33, launches the plain variant; the
+    results are the same either way (the interpreter ignores the hint; the reference)."""
+    from zenflow_triton.kernels import _launch
+    from zenflow_triton.kernels.adamw import adamw_multi, adamw_ref
+
+    from .specialisations import recording
+
+    def flag(ps):
+        gs = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) for p in ps]
+        ms = [torch.zeros(p.shape) for p in ps]
+        vs = [torch.zeros(p.shape) for p in ps]
+        want = [_clone(x) for x in (ps, gs, ms, vs)]
+        with recording() as rec:
+            adamw_multi(ps, gs, ms, vs, [None] * len(ps), [1] * len(ps), **HP)
+        adamw_ref(*want, [None] * len(ps), [1] * len(ps), **HP)
+        for x, y in zip((ps, ms, vs), (want[0], want[2], want[3])):
+            for s, t in zip(x, y):
+                torch.testing.assert_close(s, t, rtol=1e-6, atol=1e-7)
+        (_, key), = rec.launches
+        return key[0][-1]  # ALIGNED, the last constexpr
+
+    buf = torch.zeros(80)
+    assert buf.data_ptr() % _launch.ALIGN_BYTES == 0
+    assert flag([torch.randn(64), torch.randn(8, 16)]) == ("constexpr", True)
+    assert flag([torch.randn(64), buf[1:17]]) == ("constexpr", False)   # 4 bytes off
+    assert flag([torch.randn(64), torch.randn(33)]) == ("constexpr", False)  # 33 elements
+    assert _launch.vector_aligned(16, buf[4:20], None) and not _launch.vector_aligned(12, buf)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
 def test_scatter_columns_multi_is_exact(dtype):
     """The apply's scatter for many params in one launch: bit for bit the reference (fp32

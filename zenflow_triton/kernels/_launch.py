@@ -154,3 +154,20 @@ def require_triton(triton_module) -> None:
     """Raise ImportError (the "backend unavailable" signal) when Triton is missing."""
     if isinstance(triton_module, type) and issubclass(triton_module, NoTriton):
         raise ImportError(f"triton is not installed ({NoTriton.error})")
+
+
+ALIGN_BYTES = 16
+"""A 128-bit vector access: what Triton needs to know of an address to load 16 bytes at
+once (a pointer argument's specialisation tells it; an address read from a table cannot)."""
+ALIGN_ELEMENTS = 8
+"""Every numel a multiple of this: a block's tail mask then never splits a vector of fp32
+(4) or bf16/fp16 (8) elements."""
+
+
+def vector_aligned(numel: int, *tensors) -> bool:
+    """True when a multi-tensor kernel may promise Triton 16-byte aligned addresses and a
+    numel that is a multiple of ``ALIGN_ELEMENTS`` (``tl.multiple_of``) for these tensors
+    (``None`` entries skipped): a slice at an odd storage offset, or an odd size, gets the
+    plain element-wise accesses instead. Reads addresses only (no device access)."""
+    return numel % ALIGN_ELEMENTS == 0 and all(
+        t.data_ptr() % ALIGN_BYTES == 0 for t in tensors if t is not None)

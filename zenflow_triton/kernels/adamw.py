@@ -46,7 +46,9 @@ def _adamw_kernel(
                 HAS_MASTER, SOFT_BF16)
 
 
-@triton.jit(do_not_specialize=["n_tensors"])
+# The *_like pointers give only element types: their addresses (the first tensor's) must
+# not make variants (a misaligned first param would compile another).
+@triton.jit(do_not_specialize=["n_tensors", "p_like_ptr", "g_like_ptr"])
 def _adamw_multi_kernel(
     meta_ptr, cum_ptr, hyper_ptr, n_tensors,
     p_like_ptr, g_like_ptr,  # the element types of the params and grads of this launch
@@ -56,20 +58,29 @@ def _adamw_multi_kernel(
     HAS_MASTER: tl.constexpr,  # as in _adamw_kernel
     SOFT_BF16: tl.constexpr,   # see columns.cast_rtne
     BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr = False,  # the host checked (_launch.vector_aligned): every
+                                    # address 16-byte aligned, every numel a multiple of 8
 ):
     # _adamw_kernel over many flat tensors: a table row per tensor (p, g, m, v, master
     # addresses, numel), per-tensor step size and bias correction; see _multi.
     i, t = _multi.tensor_of(tl.program_id(0).to(tl.int64), cum_ptr, n_tensors, SEARCH)
     row = meta_ptr + i * W
     n = tl.load(row + 5) * (1 - tl.load(skip_ptr))  # a set skip flag: nothing in bounds
-    offs = t * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_like_ptr.dtype.element_ty))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(g_like_ptr.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     # Without a master the row holds 0 there; adamw_block then never touches it.
     master_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # what a pointer argument's specialisation would say; a table value cannot
+        n = tl.multiple_of(n, 8)  # _launch.ALIGN_ELEMENTS
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        master_ptr = tl.multiple_of(master_ptr, 16)
+    offs = t * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     adamw_block(p_ptr + offs, g, m_ptr + offs, v_ptr + offs, master_ptr + offs, mask,
                 decay, lerp_w, beta2, one_minus_beta2, eps, tl.load(hyper_ptr + 2 * i),
@@ -155,9 +166,12 @@ def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         block, num_warps = _launch.block_1d(max(params[i].numel() for i in members))
         meta, hyper, tiles, keep = [], [], [], []
         s0 = None
+        aligned = True
         for i in members:
             g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
             keep.append(g)  # a contiguous copy must outlive the launch: its address is in the table
+            aligned = aligned and _launch.vector_aligned(
+                params[i].numel(), params[i], g, ms[i], vs[i], masters[i])
             s = adamw_scalars(lr, beta1, beta2, eps, weight_decay, steps[i])
             s0 = s0 or s
             meta.append([params[i].data_ptr(), g.data_ptr(), ms[i].data_ptr(),
@@ -173,7 +187,7 @@ def adamw_multi(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 _launch.skip_flag(skip, device), s0["decay"], s0["lerp_w"], s0["beta2"], s0["one_minus_beta2"], s0["eps"],
                 W=6, SEARCH=_multi.search_steps(len(members)),
                 HAS_MASTER=p_dtype != torch.float32, SOFT_BF16=_launch.interpreting(),
-                BLOCK=block, num_warps=num_warps,
+                BLOCK=block, ALIGNED=aligned, num_warps=num_warps,
             )
         launches += 1
     return launches

@@ -27,7 +27,9 @@ except ImportError as e:  # no Triton: the reference below still works
 _W = 9  # dst, idx, src addresses; rows, k; dst row/col strides; src row/col strides
 
 
-@triton.jit(do_not_specialize=["n_tensors"])
+# The *_like pointers give only element types: their addresses (the first tensor's) must
+# not make variants (a misaligned first param would compile another).
+@triton.jit(do_not_specialize=["n_tensors", "dst_like_ptr", "src_like_ptr"])
 def _scatter_columns_multi_kernel(
     meta_ptr, cum_ptr, n_tensors,
     dst_like_ptr, src_like_ptr,  # the element types of this launch's destinations and sources

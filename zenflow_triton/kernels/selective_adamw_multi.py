@@ -40,7 +40,9 @@ except ImportError as e:  # no Triton: the reference below still works
 _W = 16
 
 
-@triton.jit(do_not_specialize=["n_tensors"])
+# The *_like pointers give only element types: their addresses (the first tensor's) must
+# not make variants (a misaligned first param would compile another).
+@triton.jit(do_not_specialize=["n_tensors", "p_like_ptr", "g_like_ptr"])
 def _selective_adamw_accumulate_kernel(
     meta_ptr, cum_ptr, hyper_ptr, n_tensors,
     p_like_ptr, g_like_ptr,  # the element types of the params and grads of this launch
