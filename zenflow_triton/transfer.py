@@ -65,6 +65,48 @@ def wait_event(event, timeout: float, what: str) -> None:
         time.sleep(_POLL_S)
 
 
+class CudaStreams:
+    """The stream operations the link orders its copies with: CUDA's. Every ordering call of
+    this module goes through one of these methods, so a test can put a recording fake in
+    their place and check the order on a CPU-only machine (``tests/test_stream_order.py``);
+    the link and its copy queues hold one (``Link(streams=...)``)."""
+
+    def owns(self, device: torch.device) -> bool:
+        """Whether ``device``'s copies are ordered on streams (else they are made at once)."""
+        return device.type == "cuda"
+
+    def canonical(self, device: torch.device) -> torch.device:
+        """``device`` with its index (a bare ``cuda`` is the current one)."""
+        return torch.device(device.type, device.index if device.index is not None
+                            else torch.cuda.current_device())
+
+    def new_stream(self, device: torch.device):
+        return torch.cuda.Stream(device=device)
+
+    def current(self, device: torch.device):
+        """The stream the training thread queues its work on."""
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream):
+        """Context: work issued inside runs on ``stream``."""
+        return torch.cuda.stream(stream)
+
+    def record(self, stream):
+        """An event reached when the work queued so far on ``stream`` is done."""
+        return stream.record_event()
+
+    def wait(self, stream, event) -> None:
+        """``stream`` waits (on the device) for ``event`` before its next work."""
+        stream.wait_event(event)
+
+    def keep_alive(self, t: torch.Tensor, stream) -> None:
+        """``t``'s memory is not reused before the work queued on ``stream`` is done."""
+        t.record_stream(stream)
+
+
+CUDA_STREAMS = CudaStreams()
+
+
 class Link:
     """Counts bytes per direction, and the training thread's transfers by kind; thread-safe
     (the host worker copies too).
@@ -77,7 +119,8 @@ class Link:
     on a CPU-only run too, where the copy may be skipped: they describe the GPU path.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, streams: CudaStreams = CUDA_STREAMS) -> None:
+        self.streams = streams  # how copies are ordered (CUDA's; a fake in ordering tests)
         self._lock = threading.Lock()
         self._streams: dict[tuple[torch.device, str], object] = {}
         self._local = threading.local()  # per thread: its bounce buffers, by dtype
@@ -129,13 +172,13 @@ class Link:
         made at once and ``wait`` returns at once."""
         self._count(d2h=src.numel() * src.element_size(), async_=1)
         out = host_empty(src.shape, src.dtype)
-        if src.device.type != "cuda":
+        if not self.streams.owns(src.device):
             out.copy_(src)
             return out, lambda timeout: None
         with self._down_stream(src.device) as stream:
             out.copy_(src, non_blocking=True)
-            done = stream.record_event()
-        src.record_stream(stream)
+            done = self.streams.record(stream)
+        self.streams.keep_alive(src, stream)
 
         def wait(timeout: float) -> None:
             wait_event(done, timeout, "a device-to-host copy")
@@ -153,19 +196,19 @@ class Link:
         there)."""
         self._count(h2d=src.numel() * src.element_size(), async_=1)
         device = torch.device(device)
-        if src.device == device:
-            return src  # CPU-only run: the "device" already holds it
-        if device.type != "cuda":
+        if not self.streams.owns(device):
+            if src.device == device:
+                return src  # CPU-only run: the "device" already holds it
             return src.to(device, non_blocking=True)
         if host_can_pin() and src.numel() and not src.is_pinned():  # empty: nothing to pin
             raise ValueError("to_device_async: a non-blocking copy needs a pinned source")
         stream = self._stream(device, "h2d")
-        with torch.cuda.stream(stream):
+        with self.streams.use(stream):
             out = src.to(device, non_blocking=True)
-            done = stream.record_event()
-        current = torch.cuda.current_stream(device)
-        current.wait_event(done)
-        out.record_stream(current)
+            done = self.streams.record(stream)
+        current = self.streams.current(device)
+        self.streams.wait(current, done)
+        self.streams.keep_alive(out, current)
         return out
 
     def indices_to_device(self, idx: "np.ndarray", device: torch.device) -> torch.Tensor:
@@ -210,8 +253,8 @@ class Link:
         work queued so far on its current stream (the kernels that wrote what is copied);
         yields the stream."""
         stream = self._stream(device, "d2h")
-        stream.wait_event(torch.cuda.current_stream(device).record_event())
-        with torch.cuda.stream(stream):
+        self.streams.wait(stream, self.streams.record(self.streams.current(device)))
+        with self.streams.use(stream):
             yield stream
 
     def _stream(self, device: torch.device, direction: str):
@@ -221,7 +264,7 @@ class Link:
         key = (torch.device(device), direction)
         with self._lock:
             if key not in self._streams:
-                self._streams[key] = torch.cuda.Stream(device=device)
+                self._streams[key] = self.streams.new_stream(device)
             return self._streams[key]
 
 
@@ -250,6 +293,7 @@ class CopyIn:
         self._host: list = []  # CPU sources, copied by the job's thread
         self._done: dict[torch.device, object] = {}  # CUDA: device -> event, set once
         self._released = False
+        self._streams = link.streams
         by_device: dict[torch.device, list] = {}
         for dst, src, zero, divisor in pairs:
             if dst.numel() != src.numel():
@@ -258,7 +302,7 @@ class CopyIn:
                 raise ValueError("copy-in: only a source that is zeroed after its copy (an "
                                  "accumulator) may be divided in place")
             link._count(d2h=dst.numel() * dst.element_size(), async_=1)
-            if src.device.type == "cuda":
+            if link.streams.owns(src.device):
                 by_device.setdefault(src.device, []).append((dst, src, zero, divisor))
             else:
                 self._host.append((dst, src, zero, divisor))
@@ -268,8 +312,8 @@ class CopyIn:
                     dst.view(-1).copy_(self._wire(src, dst.dtype, divisor), non_blocking=True)
                     if zero:
                         src.zero_()
-                    src.record_stream(stream)
-                self._done[dev] = stream.record_event()
+                    link.streams.keep_alive(src, stream)
+                self._done[dev] = link.streams.record(stream)
 
     @staticmethod
     def _wire(src: torch.Tensor, dtype: torch.dtype, divisor) -> torch.Tensor:
@@ -310,7 +354,7 @@ class CopyIn:
             return
         self._released = True
         for dev, event in self._done.items():  # read-only here and in wait_on_host
-            torch.cuda.current_stream(dev).wait_event(event)
+            self._streams.wait(self._streams.current(dev), event)
 
 
 class CopyQueue:
@@ -330,18 +374,18 @@ class CopyQueue:
     def __init__(self, link: Link, devices, timeout: float) -> None:
         self.timeout = float(timeout)
         self._link = link
+        self._ops = ops = link.streams
         self._streams: dict[tuple[torch.device, str], object] = {}
         self._used: set[tuple[torch.device, str]] = set()
         self._launched: list = []  # per device: the event recorded at launch, until reached
         for dev in {torch.device(d) for d in devices}:
-            if dev.type != "cuda":
+            if not ops.owns(dev):
                 continue
-            dev = torch.device("cuda", dev.index if dev.index is not None
-                               else torch.cuda.current_device())
-            launched = torch.cuda.current_stream(dev).record_event()
+            dev = ops.canonical(dev)
+            launched = ops.record(ops.current(dev))
             for direction in ("d2h", "h2d"):
                 stream = link._stream(dev, direction)
-                stream.wait_event(launched)
+                ops.wait(stream, launched)
                 self._streams[(dev, direction)] = stream
             self._launched.append(launched)
 
@@ -357,17 +401,17 @@ class CopyQueue:
     def _on(self, dst: torch.Tensor, src: torch.Tensor | None = None):
         """The copy stream for writing ``dst`` from ``src``: up ("h2d") when the destination
         is on the device, down ("d2h") when only the source is; none on CPU."""
-        if dst.device.type == "cuda":
-            return self._use((dst.device, "h2d"))
-        if src is not None and src.device.type == "cuda":
-            return self._use((src.device, "d2h"))
+        if self._ops.owns(dst.device):
+            return self._use((self._ops.canonical(dst.device), "h2d"))
+        if src is not None and self._ops.owns(src.device):
+            return self._use((self._ops.canonical(src.device), "d2h"))
         return contextlib.nullcontext()
 
     def _use(self, key):
         """Run on the copy stream ``key`` (device, direction), which flush() then waits for:
         only the streams this job used, not work other jobs queue on them later."""
         self._used.add(key)
-        return torch.cuda.stream(self._streams[key])
+        return self._ops.use(self._streams[key])
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` (with a cast), done when it returns. Across the link with a
@@ -381,7 +425,7 @@ class CopyQueue:
                 self.copy_cast_on_host(dst, src)  # pageable host state: through the bounce
                 return
             dst.copy_(src)
-            if dst.device.type == "cuda" and src.device.type == "cuda":
+            if self._ops.owns(dst.device) and self._ops.owns(src.device):
                 self.flush()  # device to device: make it done, like the others
 
     def copy_cast_on_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -406,7 +450,7 @@ class CopyQueue:
     def zero_(self, t: torch.Tensor) -> None:
         """``t.zero_()`` of a source the job copied down, on the down stream, so in order
         after that copy; done after flush()."""
-        ctx = (self._use((t.device, "d2h")) if t.device.type == "cuda"
+        ctx = (self._use((self._ops.canonical(t.device), "d2h")) if self._ops.owns(t.device)
                else contextlib.nullcontext())
         with ctx:
             t.zero_()
@@ -414,7 +458,7 @@ class CopyQueue:
     def flush(self) -> None:
         """Wait until everything this job queued on the copy streams is done (bounded)."""
         for stream in (self._streams[key] for key in self._used):
-            wait_event(stream.record_event(), self.timeout, "device copies")
+            wait_event(self._ops.record(stream), self.timeout, "device copies")
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
