@@ -17,6 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zenflow_triton import NonFiniteGradientError, ZenFlowOptimizer
+from zenflow_triton.fsdp import by_rows
+from zenflow_triton.partition import state_side
 
 from . import test_distributed as td
 from .helpers import assert_trajectories_close
@@ -120,7 +122,8 @@ def train_scenario(rank: int) -> dict:
         # the device state that has one entry per row (all but the column indices)
         row_state = sum(v.numel() * v.element_size() for p in model.parameters()
                         for k, v in opt.state[p].items()
-                        if k in ("device_m", "device_v", "acc", "exp_avg", "exp_avg_sq"))
+                        if isinstance(v, torch.Tensor) and by_rows(k, v.dim())
+                        and state_side(k, opt.config.accumulate_on) == "device")
         try:  # not under FSDP2: refused, naming what to use instead
             opt.to_adamw_state_dict()
             refused = None
@@ -364,9 +367,9 @@ def test_fsdp2_ranks_follow_one_process_on_the_whole_batch(tmp_path, world):
     # side is DDP's formula, checked against stats() in test_stepmodel.)
     from autotune import stepmodel as S
 
-    hw = S.Hardware(name="test", device_flops=1e12, device_memory_bandwidth=1e11,
-                    link_bandwidth=1e9, host_adam_elements_per_s=1e9)
-    pred = S.predict(hw, S.Workload.from_module(Block()), "zenflow", gpus=world,
+    from .test_stepmodel import hw
+
+    pred = S.predict(hw(), S.Workload.from_module(Block()), "zenflow", gpus=world,
                      sharding="fsdp2", dense_params=(), **CFG)
     rows = sum(v for k, v in pred.memory["device"].items()
                if k not in ("params", "grads", "column indices"))

@@ -128,10 +128,14 @@ def localize(work: list, name_of: Callable[[torch.Tensor], str]) -> list:
     return out
 
 
+def by_rows(key: str, ndim: int) -> bool:
+    """Whether a per-param state tensor of ``ndim`` dimensions under ``key`` is laid out by
+    the param's rows (every one but the column indices and 0-d counts)."""
+    return ndim >= 1 and not key.endswith("_idx")
+
+
 def _has_rows(key: str, value: Any) -> bool:
-    """A per-param state tensor laid out by the param's rows (every one but the column
-    indices and 0-d counts)."""
-    return isinstance(value, torch.Tensor) and value.dim() >= 1 and not key.endswith("_idx")
+    return isinstance(value, torch.Tensor) and by_rows(key, value.dim())
 
 
 def state_as_dtensors(st: dict, p: torch.Tensor) -> dict:
@@ -172,7 +176,7 @@ def rows_template(p: torch.Tensor, key: str, size: torch.Size, dtype: torch.dtyp
     """An empty DTensor of ``p``'s placement to read this rank's ``rows`` of a saved state
     tensor of global ``size`` into (a checkpoint reader's template), ``device`` holding
     them; None for a tensor not laid out by ``p``'s rows (column indices, counts)."""
-    if len(size) < 1 or key.endswith("_idx") or size[0] != p.shape[0]:
+    if not by_rows(key, len(size)) or size[0] != p.shape[0]:
         return None
     mine = torch.empty((rows[1] - rows[0], *size[1:]), dtype=dtype, device=device)
     return _wrap(mine, p, tuple(size))

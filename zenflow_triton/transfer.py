@@ -293,7 +293,7 @@ class CopyIn:
         self._host: list = []  # CPU sources, copied by the job's thread
         self._done: dict[torch.device, object] = {}  # CUDA: device -> event, set once
         self._released = False
-        self._streams = link.streams
+        self._ops = link.streams
         by_device: dict[torch.device, list] = {}
         for dst, src, zero, divisor in pairs:
             if dst.numel() != src.numel():
@@ -354,7 +354,7 @@ class CopyIn:
             return
         self._released = True
         for dev, event in self._done.items():  # read-only here and in wait_on_host
-            self._streams.wait(self._streams.current(dev), event)
+            self._ops.wait(self._ops.current(dev), event)
 
 
 class CopyQueue:
@@ -401,10 +401,10 @@ class CopyQueue:
     def _on(self, dst: torch.Tensor, src: torch.Tensor | None = None):
         """The copy stream for writing ``dst`` from ``src``: up ("h2d") when the destination
         is on the device, down ("d2h") when only the source is; none on CPU."""
-        if self._ops.owns(dst.device):
-            return self._use((self._ops.canonical(dst.device), "h2d"))
+        if self._ops.owns(dst.device):  # a tensor's device has its index: a key as made
+            return self._use((dst.device, "h2d"))
         if src is not None and self._ops.owns(src.device):
-            return self._use((self._ops.canonical(src.device), "d2h"))
+            return self._use((src.device, "d2h"))
         return contextlib.nullcontext()
 
     def _use(self, key):
@@ -450,7 +450,7 @@ class CopyQueue:
     def zero_(self, t: torch.Tensor) -> None:
         """``t.zero_()`` of a source the job copied down, on the down stream, so in order
         after that copy; done after flush()."""
-        ctx = (self._use((self._ops.canonical(t.device), "d2h")) if self._ops.owns(t.device)
+        ctx = (self._use((t.device, "d2h")) if self._ops.owns(t.device)
                else contextlib.nullcontext())
         with ctx:
             t.zero_()
