@@ -12,6 +12,8 @@ import zenflow_triton.host.adamw as host_adamw
 from zenflow_triton import (ConfigError, HostWorkerError, NonFiniteGradientError,
                             ZenFlowConfig, ZenFlowOptimizer)
 
+from zenflow_triton.kernels import triton_available
+
 from .helpers import batches, loss_fn, make_model, params_of
 
 
@@ -102,6 +104,58 @@ def test_nonfinite_gradient_raises_before_any_change_and_optimizer_survives():
     opt.step()
     assert opt.stats()["steps"] == 4
     opt.close()
+
+
+@pytest.mark.parametrize("backend,check_at", [("torch", "step")] + (
+    [("triton", "boundary")] if triton_available()[0] else []))
+def test_nonfinite_gradient_at_a_reselection_raises_before_its_drain(backend, check_at):
+    """A reselection brings the check's flags to the host in the copy of its picks, which it
+    makes before changing anything: a NaN there raises before the drain applies the job in
+    flight and before any column moves, and skipping the batch then equals a run that never
+    saw it, bit for bit."""
+    data = batches(9)
+    cfg = dict(lr=3e-3, topk_ratio=0.25, update_interval=2, select_interval=4,
+               min_offload_numel=64, backend=backend, check_finite_at=check_at)
+    model, ref = make_model(), make_model()
+    opt = ZenFlowOptimizer(list(model.named_parameters()), **cfg)
+    ref_opt = ZenFlowOptimizer(list(ref.named_parameters()), **cfg)
+
+    def step(m, o, x, poison=False):
+        o.zero_grad()
+        loss_fn(m, x).backward()
+        if poison:
+            m.fc1.weight.grad[1, 2] = float("nan")
+        o.step()
+
+    try:
+        for x in data[:4]:  # step 4 launches a host job; step 5 reselects (drain first)
+            step(model, opt, x)
+            step(ref, ref_opt, x)
+        before, counters = params_of(model), opt.stats()
+        idx = {id(p): st["device_idx"].clone() for p, st in opt.state.items()
+               if "device_idx" in st}
+        with pytest.raises(NonFiniteGradientError,
+                           match="'fc1.weight'.*no optimizer state was changed"):
+            step(model, opt, data[4], poison=True)
+        after = opt.stats()
+        for k in ("steps", "selection_refreshes", "columns_migrated", "host_updates"):
+            assert after[k] == counters[k], k
+        for a, b in zip(params_of(model), before):  # the job in flight is not applied yet
+            assert torch.equal(a, b)
+        for p, st in opt.state.items():
+            if "device_idx" in st:
+                assert torch.equal(st["device_idx"], idx[id(p)])
+        for x in data[5:9]:
+            step(model, opt, x)
+            step(ref, ref_opt, x)
+        opt.synchronize()
+        ref_opt.synchronize()
+        assert opt.stats()["selection_refreshes"] == 2
+        for a, b in zip(params_of(model), params_of(ref)):
+            assert torch.equal(a, b)
+    finally:
+        opt.close()
+        ref_opt.close()
 
 
 def test_nonfinite_gradient_propagates_like_adamw_when_unchecked():

@@ -84,13 +84,26 @@ class FiniteWatch:
         """Read the flags of every deferred step and of ``work`` (the gradients of step
         ``step``, None for none), one host read per device, before anything of this step
         changes; NonFiniteGradientError when any is set (rolled back, see the module)."""
+        self.judge(work, step, {d: f.tolist() for d, f in self.flags(work).items()})
+
+    def flags(self, work: Work) -> dict[torch.device, torch.Tensor]:
+        """Per device, the flags :meth:`check` reads, still on the device (bool, every
+        deferred step's then ``work``'s): a caller that copies to the host anyway may bring
+        them in the same copy and hand the values to :meth:`judge`."""
         current = _by_device(work)
-        reads: dict[torch.device, list[bool]] = {}
+        out = {}
         for device in set(current) | {d for rec in self._pending for d in rec.flags}:
             parts = [rec.flags[device] for rec in self._pending if device in rec.flags]
             if device in current:
                 parts.append(nonfinite_flags([g for _, g in current[device]]))
-            reads[device] = torch.cat(parts).tolist() if parts else []
+            out[device] = torch.cat(parts)
+        return out
+
+    def judge(self, work: Work, step: int | None, reads: dict[torch.device, list]) -> None:
+        """:meth:`check` once the values of :meth:`flags` (of the same ``work``, nothing
+        deferred in between) are on the host: ``reads``, per device, any sequence of
+        truth values in their order."""
+        current = _by_device(work)
         offsets = dict.fromkeys(reads, 0)
         for i, rec in enumerate(self._pending):
             bad = []

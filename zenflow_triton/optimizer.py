@@ -244,9 +244,15 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         boundary = warmup or u % cfg.update_interval == 0
         # The NaN/inf check: read now, or (check_finite_at="boundary", a step that waits for
         # nothing) left on the device to mask this step's update if bad (finite_watch).
+        setup = self._needs_setup(work)
         defer = (cfg.check_finite and self._finite.at_boundary and not (warmup or reselect
-                 or boundary) and not self._needs_setup(work))
-        if cfg.check_finite and not defer:
+                 or boundary) and not setup)
+        moves = None
+        if reselect and not setup:
+            # The picks come to the host anyway: the check's flags ride in the same copy,
+            # read before anything changes (scoring and picking change nothing).
+            moves = self._plan(work, self._global_step + 1 if cfg.check_finite else None)
+        elif cfg.check_finite and not defer:
             self._finite.check(work, self._global_step + 1)
         self._prepare_state(work)
         self._guard.before(self._wait_before_step, self._shard.collective, self._global_step)
@@ -255,7 +261,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         with self._guard.whole_step(lambda: self._global_step):
             self._global_step += 1
             if reselect:
-                self._reselect(work)
+                self._reselect(work, moves)
             elif not warmup:
                 # A param seen for the first time after a selection boundary selects now
                 # (its accumulator is empty and nothing of it is pending).
@@ -338,17 +344,40 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self._dev.index_cache.pop(p, None)
 
     # ------------------------------------------------------------------ selection
-    def _reselect(self, work) -> None:
+    def _reselect(self, work, moves=None) -> None:
+        """Drain, then migrate to the picks of this step's gradients (``moves``: planned
+        before the step changed anything, see :meth:`_plan`; else planned here)."""
         self._drain()
         self._counters["selection_refreshes"] += 1
-        self._select([w for w in work if self._states[w[1]]["kind"] == MATRIX])
+        if moves is None:
+            self._select(self._matrices(work))
+        else:
+            self._migrate(moves)
+
+    def _matrices(self, work: Work) -> Work:
+        return [w for w in work if self._states[w[1]]["kind"] == MATRIX]
+
+    def _plan(self, work: Work, check_step: int | None) -> list:
+        """Score and pick the columns of a reselection (states made and selected before),
+        and with ``check_step`` read the NaN/inf check of the step in the picks' copy: one
+        host read per device for both; NonFiniteGradientError before any change."""
+        if check_step is None:
+            return plan_selection(self._matrices(work), self._states, self.ops, self.link,
+                                  self.config, self._shard)
+        moves, reads = plan_selection(self._matrices(work), self._states, self.ops,
+                                      self.link, self.config, self._shard,
+                                      also=self._finite.flags(work))
+        self._finite.judge(work, check_step, reads)
+        return moves
 
     def _select(self, items) -> None:
         """Score and pick every param's columns on its device, bring all the picks to the
         host in one copy per device, then migrate (partition.migrate_many): a few host syncs
         per reselection whatever the number of params."""
-        moves = plan_selection(items, self._states, self.ops, self.link, self.config,
-                               self._shard)
+        self._migrate(plan_selection(items, self._states, self.ops, self.link, self.config,
+                                     self._shard))
+
+    def _migrate(self, moves: list) -> None:
         self._counters["columns_migrated"] += migrate_many(
             moves, ops=self.ops, link=self.link, host_idx_on_device=self._dev.index_cache,
             shard=self._shard)

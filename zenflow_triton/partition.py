@@ -94,12 +94,18 @@ def select_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def plan_selection(items, state: dict, ops: KernelOps, link: Link,
-                   cfg: ZenFlowConfig, shard=None) -> list["Move"]:
+                   cfg: ZenFlowConfig, shard=None,
+                   also: dict[torch.device, torch.Tensor] | None = None):
     """A :class:`Move` per ``(group, param, grad)`` of ``items``: the top ``k`` columns by
     this gradient's scores, scored and picked on each param's device, the picks brought to
     the host in one copy per device (a few host syncs whatever the number of params).
     ``shard``: where each rank holds some rows of the params (FSDP2), its column scores are
-    summed over the ranks first (``RowShard.sum_rows``), so every rank picks alike."""
+    summed over the ranks first (``RowShard.sum_rows``), so every rank picks alike.
+
+    ``also``: per device, a 1-D tensor that must come to the host too (the NaN/inf flags of
+    the step): it rides in the same copy as that device's picks (its own copy on a device
+    without picks). Returns ``(moves, {device: its values as a numpy array})``; without
+    ``also``, the moves alone."""
     picks: dict[torch.device, list] = {}
     moves = []
     ranked = []
@@ -117,14 +123,24 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
         scores = shard.sum_rows(scores, "an all-reduce of the column scores")
     for (p, g, k, beta1, beta2, _), s in zip(ranked, scores):
         picks.setdefault(g.device, []).append((p, select_columns(s, k), beta1, beta2))
-    for device_picks in picks.values():
-        flat = link.to_host(torch.cat([idx for _, idx, _, _ in device_picks])).numpy()
+    riders = dict(also or {})
+    brought = {}
+    for device, device_picks in picks.items():
+        parts = [idx for _, idx, _, _ in device_picks]
+        rider = riders.pop(device, None)
+        if rider is not None:
+            parts.append(rider.to(parts[0].dtype))
+        flat = link.to_host(torch.cat(parts)).numpy()
         off = 0
         for p, idx, beta1, beta2 in device_picks:
             n = idx.numel()
             moves.append(Move(p, state[p], flat[off:off + n], beta1, beta2))
             off += n
-    return moves
+        if rider is not None:
+            brought[device] = flat[off:]
+    for device, rider in riders.items():  # a device with flags and no picks
+        brought[device] = link.to_host(rider).numpy()
+    return moves if also is None else (moves, brought)
 
 
 def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[float, float]:
