@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import run  # noqa: E402
 from workloads import BUILDERS  # noqa: E402
 
-from zenflow_triton.config import SQRT_SCALE_CAP  # noqa: E402
+from zenflow_triton.config import SQRT_SCALE_CAP, ZenFlowConfig  # noqa: E402
 
 # "sqrt-cap" is the shipped "sqrt" rule: sqrt(n), at most SQRT_SCALE_CAP. "sqrt" is uncapped.
 RULES = ("1", "sqrt", "sqrt-cap", "n", "adaptive")
@@ -94,14 +94,14 @@ def key(r: dict) -> tuple:
             r["seed"])
 
 
-def plan(workloads, topks, seeds):
+def plan(workloads, topks, seeds, rules=RULES):
     for wl in workloads:
         for seed in seeds:
             yield dict(workload=wl, optimizer="adamw", rule=None, interval=None, topk=None,
                        seed=seed)
             for topk in topks:
                 for interval in INTERVALS:
-                    for rule in dict.fromkeys(run_rule(r, interval) for r in RULES):
+                    for rule in dict.fromkeys(run_rule(r, interval) for r in rules):
                         yield dict(workload=wl, optimizer="zenflow", rule=rule,
                                    interval=interval, topk=topk, seed=seed)
 
@@ -113,7 +113,9 @@ def execute(cell: dict, steps: int, lr: float, options: dict) -> dict:
         zf = dict(topk_ratio=cell["topk"], update_interval=cell["interval"],
                   host_lr_scale=scale_for(cell["rule"], cell["interval"]))
     out = run(job, zenflow=zf, lr=lr, steps=steps, eval_every=steps)
-    return dict(cell, steps=steps, lr=lr, init=out["init"]["loss"],
+    # the dense set in force (train.run names the params): a file's runs say which they had
+    dense = list(ZenFlowConfig().dense_params) if zf else None
+    return dict(cell, steps=steps, lr=lr, dense_params=dense, init=out["init"]["loss"],
                 final=out["final"]["loss"], accuracy=out["final"].get("accuracy"),
                 diverged=out["diverged"], seconds=round(out["seconds"], 2),
                 host_windows=out.get("host_windows"))
@@ -200,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", nargs="+", default=list(DEFAULTS), choices=list(DEFAULTS))
     ap.add_argument("--topk", type=float, nargs="+", default=[0.01, 0.1])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES),
+                    help="the rules to run (AdamW runs for every workload and seed)")
     ap.add_argument("--steps", type=int, default=None, help="override every workload's steps")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's); 1 lets two studies share 2 cores")
@@ -224,7 +228,7 @@ def main(argv=None) -> int:
             rows = json.load(f)
     done = {key(r) for r in rows}
     t0 = time.perf_counter()
-    for cell in plan(args.workloads, args.topk, args.seeds):
+    for cell in plan(args.workloads, args.topk, args.seeds, args.rules):
         if key(cell) in done:
             continue
         lr, steps, options = DEFAULTS[cell["workload"]]

@@ -19,6 +19,11 @@ Variants: a setting (``defaults``: 0.1 x 4, or ``aggressive``: 0.02 x 8, both wi
   split matrix also take a state-free step ``-lr * c * sign(g)`` on the device (FRUGAL's
   signSGD part), overwritten by the host's fp32 master at the next apply (``sign0.3``:
   c = 0.3; plain ``sign``: c = 1),
+* ``applyN``: an experiment, not a library feature yet: each window's result applied ``N``
+  steps after its window (1 <= N < update_interval) instead of at the next boundary (N =
+  update_interval, the library's overlap) or at its own (``sync``): ``synchronize()`` after
+  the step ``N`` steps past each boundary, which finishes the job and applies it at the
+  same point of the step as the boundary's apply would (after the device half),
 * ``rotate``: an experiment: half of each selection's k columns by score, the other half the
   host-owned columns that have waited longest (against starving columns).
 
@@ -48,11 +53,11 @@ SETTINGS = {"defaults": dict(topk_ratio=0.1, update_interval=4, host_lr_scale="a
             "aggressive": dict(topk_ratio=0.02, update_interval=8, host_lr_scale="adaptive")}
 
 
-def parse(variant: str) -> tuple[dict, float, bool]:
-    """``"aggressive/sel2/sign0.3"`` -> (config fields, sign factor, rotate)."""
+def parse(variant: str) -> tuple[dict, float, bool, int | None]:
+    """``"aggressive/sel2/sign0.3"`` -> (config fields, sign factor, rotate, apply delay)."""
     base, *mods = variant.split("/")
     cfg = dict(SETTINGS[base])
-    sign, rotate = 0.0, False
+    sign, rotate, delay = 0.0, False, None
     for m in mods:
         if m == "split":
             cfg["dense_params"] = ()
@@ -66,9 +71,14 @@ def parse(variant: str) -> tuple[dict, float, bool]:
             sign = float(m[4:] or 1.0)
         elif m == "rotate":
             rotate = True
+        elif m.startswith("apply") and m[5:].isdigit():
+            delay = int(m[5:])
+            if not 1 <= delay < cfg["update_interval"]:
+                raise ValueError(f"{m!r} in {variant!r}: the delay must be in "
+                                 f"[1, update_interval={cfg['update_interval']})")
         else:
             raise ValueError(f"unknown modifier {m!r} in {variant!r}")
-    return cfg, sign, rotate
+    return cfg, sign, rotate, delay
 
 
 def with_sign_steps(opt: ZenFlowOptimizer, c: float) -> None:
@@ -93,6 +103,22 @@ def with_sign_steps(opt: ZenFlowOptimizer, c: float) -> None:
     opt.step = step
 
 
+def with_apply_delay(opt: ZenFlowOptimizer, delay: int) -> None:
+    """The applyN experiment: after the step ``delay`` steps past each boundary, finish the
+    host job and apply its result (``synchronize()``), so the boundary finds nothing left to
+    apply. Warm-up off (the tuner's workload uses none)."""
+    real, ui, steps = opt.step, opt.config.update_interval, [0]
+
+    def step(closure=None):
+        out = real(closure)
+        steps[0] += 1
+        if steps[0] % ui == delay:
+            opt.synchronize()
+        return out
+
+    opt.step = step
+
+
 class Rotating:
     """The rotate experiment's selection: per param, k - k//2 columns by score and k//2 of
     the host-owned columns that have gone longest without a device turn."""
@@ -100,7 +126,10 @@ class Rotating:
     def __init__(self) -> None:
         self.age: dict[int, np.ndarray] = {}
 
-    def __call__(self, items, state, ops, link, cfg):
+    def __call__(self, items, state, ops, link, cfg, shard=None, also=None):
+        if also:  # the NaN/inf flags of a reselection step (one process: no shard)
+            out = self(items, state, ops, link, cfg)
+            return out, {d: link.to_host(f).numpy() for d, f in also.items()}
         moves = []
         for group, p, g in items:
             g2d = P.view2d(g, like=p)
@@ -122,7 +151,7 @@ class Rotating:
 
 
 def run(factory, ts: TuneSettings, variant: str) -> float:
-    cfg, sign, rotate = parse(variant)
+    cfg, sign, rotate, delay = parse(variant)
     import zenflow_triton.optimizer as O
 
     def make(params):
@@ -130,6 +159,8 @@ def run(factory, ts: TuneSettings, variant: str) -> float:
                                weight_decay=ts.weight_decay, **cfg)
         if sign:
             with_sign_steps(opt, sign)
+        if delay:
+            with_apply_delay(opt, delay)
         return opt
 
     plan = O.plan_selection
