@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--select-interval", type=_pos_int, default=None,
                     help="ZenFlow select_interval, a multiple of the update interval "
                          "(default: the profile's, else 16 windows)")
+    pr.add_argument("--apply-delay", type=_pos_int, default=None,
+                    help="ZenFlow apply_delay: steps after a window at whose end its host "
+                         "result is applied, 1 to the update interval (default: the "
+                         "profile's, else the update interval)")
     pr.add_argument("--dense-params", nargs="*", default=None, metavar="PATTERN",
                     help="ZenFlow dense_params: name patterns of matrices kept whole on the "
                          "device (default: the profile's, else embeddings and the LM head); "
@@ -586,12 +590,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("topk_ratio", args.topk_ratio),
                                    ("update_interval", args.update_interval),
                                    ("select_interval", args.select_interval),
+                                   ("apply_delay", args.apply_delay),
                                    ("accumulate_on", args.accumulate_on),
                                    ("dense_params", None if args.dense_params is None
                                     else tuple(args.dense_params))) if v is not None}
+    # a profile's select_interval and apply_delay belong to its update_interval
     settings = {k: v for k, v in prof.settings.items()
-                if not (k == "select_interval" and ("update_interval" in overrides
-                                                    or "select_interval" in overrides))}
+                if not (k in ("select_interval", "apply_delay")
+                        and ("update_interval" in overrides or k in overrides))}
     cfg = M.zenflow_config(settings, **overrides)
     preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
     if args.plot:
@@ -614,7 +620,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print("fsdp2: memory per GPU is its rows of the params, gradients and state; the "
               "all-gathered layers in flight and FSDP's own collectives are not modelled.")
     print(f"zenflow: topk_ratio={cfg.topk_ratio}, update_interval={cfg.update_interval}, "
-          f"overlap={cfg.overlap}, accumulate_on={cfg.accumulate_on!r}, "
+          f"overlap={cfg.overlap}, apply_delay={cfg.effective_apply_delay}, "
+          f"accumulate_on={cfg.accumulate_on!r}, "
           f"dense_params={cfg.dense_params!r}. Memory excludes "
           "activations. docs/stepmodel.md has the formulas.")
     print()

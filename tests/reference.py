@@ -42,7 +42,8 @@ def _adaptive(w, m, v, n, j, b1, b2, lr):
 
 class ReferenceZenFlow:
     def __init__(self, param_groups, *, topk_ratio, update_interval, select_interval,
-                 overlap, warmup_steps=0, min_offload_numel=1, host_lr_scale="adaptive",
+                 overlap, apply_delay=None, warmup_steps=0, min_offload_numel=1,
+                 host_lr_scale="adaptive",
                  accumulate_on="device", accumulator_dtype="float32",
                  host_state_dtype="float32"):
         self.groups = param_groups
@@ -50,6 +51,9 @@ class ReferenceZenFlow:
         self.ui = update_interval
         self.si = select_interval
         self.overlap = overlap
+        # with overlap, a window's result is applied at the end of the step this many steps
+        # after the window's last (update_interval: at the next boundary)
+        self.delay = update_interval if apply_delay is None else apply_delay
         self.warmup = warmup_steps
         self.min_numel = min_offload_numel
         # a number, "auto" (the window's gradient count n), "sqrt" (sqrt(n), at most 2) or
@@ -198,6 +202,8 @@ class ReferenceZenFlow:
                     s["pending"] = True
             if not self.overlap or warm:
                 self._apply_pending()
+        elif self.overlap and not warm and u % self.ui == self.delay:
+            self._apply_pending()
 
 
 def run_reference(model, data, loss_fn, groups, lr_factor, *, min_offload_numel=64,

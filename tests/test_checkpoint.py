@@ -51,14 +51,18 @@ def uninterrupted(data, dtype, **cfg):
     return params_of(model)
 
 
-@pytest.mark.parametrize("accumulate_on", ["device", "host"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype):
+@pytest.mark.parametrize("accumulate_on,dtype,apply_delay", [
+    ("device", torch.float32, None), ("device", torch.bfloat16, None),
+    ("host", torch.float32, None), ("host", torch.bfloat16, None),
+    # the result of the window that ended at step 12 is applied at step 15, after the resume
+    ("device", torch.float32, 3), ("host", torch.bfloat16, 3)])
+def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype, apply_delay):
     data = batches(30)
-    want = uninterrupted(data, dtype, accumulate_on=accumulate_on)
+    cfg = dict(accumulate_on=accumulate_on, apply_delay=apply_delay)
+    want = uninterrupted(data, dtype, **cfg)
 
     model = make_model(dtype=dtype)
-    opt, sched = fresh(model, accumulate_on=accumulate_on)
+    opt, sched = fresh(model, **cfg)
     train(model, opt, data[:13], sched)  # the window that ended at step 12 is in flight
     assert opt.stats()["host_inflight"]
     saved = save_all(model, opt, sched)
@@ -71,7 +75,7 @@ def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype):
 
     model2 = make_model(seed=123, dtype=dtype)  # different init: everything must come from the save
     model2.load_state_dict(saved["model"])
-    opt2, sched2 = fresh(model2, accumulate_on=accumulate_on)
+    opt2, sched2 = fresh(model2, **cfg)
     opt2.load_state_dict(saved["opt"])
     sched2.load_state_dict(saved["sched"])
     finish_and_compare(model2, opt2, sched2, data[13:], want)

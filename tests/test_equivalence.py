@@ -231,6 +231,11 @@ SCHEDULES = [
     # every column host-owned, synchronous: the job streams the accumulator piece by piece
     # and writes the params itself
     dict(topk_ratio=0.0, update_interval=2, select_interval=4, overlap=False),
+    # a result applied 1 step after its window (the reselection's drain comes first at
+    # steps 1 + 8j), and 2 of 4 with warm-up
+    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True, apply_delay=1),
+    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True, apply_delay=2,
+         warmup_steps=3, host_lr_scale="sqrt"),
 ]
 
 
@@ -249,12 +254,18 @@ def test_async_schedule_matches_single_threaded_reference(cfg):
     assert_trajectories_close(got, want, STEPS, host_lr(cfg))
 
 
-@pytest.mark.parametrize("change", [dict(overlap=False), dict(host_lr_scale=4.0)],
-                         ids=["apply-one-window-early", "fixed-scale-in-warmup"])
-def test_reference_comparison_differs_when_the_schedule_differs(change):
-    """Guards the reference comparison: applying the window one boundary early, or scaling
-    the warm-up's host lr, gives a trajectory outside the bound."""
-    cfg = SCHEDULES[2]  # overlap, with warm-up
+@pytest.mark.parametrize("base,change", [(2, dict(overlap=False)), (2, dict(host_lr_scale=4.0)),
+                                         (-2, dict(apply_delay=None)), (-2, dict(apply_delay=2)),
+                                         (-1, dict(apply_delay=1)), (-1, dict(apply_delay=3)),
+                                         (-1, dict(apply_delay=None))],
+                         ids=["apply-one-window-early", "fixed-scale-in-warmup",
+                              "delay1-at-boundary", "delay1-as-2", "delay2-as-1", "delay2-as-3",
+                              "delay2-at-boundary"])
+def test_reference_comparison_differs_when_the_schedule_differs(base, change):
+    """Guards the reference comparison: applying the window one boundary early, scaling the
+    warm-up's host lr, or applying a result one step earlier or later than its
+    ``apply_delay`` gives a trajectory outside the bound."""
+    cfg = SCHEDULES[base]
     feed = GradFeed(STEPS)
     got, _ = run_zenflow(feed, host_threads=2, chunk_size=97, **cfg)
     want, _ = run_reference(feed, **{**cfg, **change})

@@ -35,6 +35,9 @@ from .helpers import batches, loss_fn, make_model, params_of
     ("host_threads", 0, "host_threads must be >= 1"),
     ("host_lr_scale", 0.0, "host_lr_scale must be > 0"),
     ("overlap", "yes", "overlap must be a bool"),
+    ("apply_delay", 0, r"apply_delay must be in \[1, update_interval=4\] or None, got 0"),
+    ("apply_delay", 5, r"apply_delay must be in \[1, update_interval=4\] or None, got 5"),
+    ("apply_delay", 2.0, "apply_delay must be an int"),
 ])
 def test_bad_config_names_field_and_range(field, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -48,6 +51,13 @@ def test_unknown_keyword_and_config_plus_fields():
         ZenFlowOptimizer(make_model().parameters(), topk=0.1)
     with pytest.raises(TypeError, match="not both"):
         ZenFlowOptimizer(make_model().parameters(), config=ZenFlowConfig(), topk_ratio=0.2)
+
+
+def test_apply_delay_needs_overlap():
+    with pytest.raises(ConfigError, match="apply_delay needs overlap=True"):
+        ZenFlowConfig(overlap=False, apply_delay=1)
+    assert ZenFlowConfig(apply_delay=None).effective_apply_delay == 4
+    assert ZenFlowConfig(update_interval=8, apply_delay=3).effective_apply_delay == 3
 
 
 def test_select_interval_default_is_multiple():

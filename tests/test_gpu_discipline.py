@@ -41,14 +41,14 @@ def idle(opt) -> None:
 
 @functools.lru_cache(maxsize=None)
 def run_counting(n_layers: int, backend: str, dtype=torch.float32, overlap=True,
-                 accumulate_on="device", check_finite_at="step"):
+                 accumulate_on="device", check_finite_at="step", apply_delay=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(n_layers)]).to(
         device=DEVICE, dtype=dtype)
     opt = ZenFlowOptimizer(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2,
                            select_interval=4, min_offload_numel=64, backend=backend,
                            overlap=overlap, accumulate_on=accumulate_on,
-                           check_finite_at=check_finite_at)
+                           check_finite_at=check_finite_at, apply_delay=apply_delay)
     gen = torch.Generator().manual_seed(1)
     counts = {}
     try:
@@ -73,7 +73,9 @@ CONFIGS = {"overlap": dict(overlap=True), "sync": dict(overlap=False),
            "host-acc-bf16": dict(overlap=True, dtype=torch.bfloat16, accumulate_on="host"),
            # The check read where the host waits anyway (the default on CUDA with Triton).
            "overlap-deferred": dict(overlap=True, check_finite_at="boundary"),
-           "sync-deferred": dict(overlap=False, check_finite_at="boundary")}
+           "sync-deferred": dict(overlap=False, check_finite_at="boundary"),
+           # the result of the window of t = 2 applied at the end of t = 3, not at t = 4
+           "overlap-delay1": dict(overlap=True, apply_delay=1)}
 DEFERRED = {"overlap-deferred", "sync-deferred"}  # Triton only: its kernels read the flag
 # The host-blocking calls of each counted step, by kind (StepCounts.kinds()), as the code
 # does them today on CPU, the same for 4 and 16 matrices and for both backends:
@@ -101,6 +103,12 @@ EXPECTED["overlap-bf16"] = EXPECTED["overlap"]
 EXPECTED["overlap-deferred"] = {**EXPECTED["overlap"],
                                 STEADY: {"HostWorker.wait_event": 1}}
 EXPECTED["sync-deferred"] = {**EXPECTED["sync"], STEADY: {}}
+# apply_delay=1: the job's wait moves from the boundary (t = 4) to the step after the window
+# (t = 3, otherwise steady); nothing is added.
+EXPECTED["overlap-delay1"] = {**EXPECTED["overlap"],
+                              STEADY: {**FINITE, "HostWorker.wait_event": 1,
+                                       "HostWorker.wait": 1},
+                              APPLY: dict(FINITE)}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

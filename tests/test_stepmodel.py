@@ -464,6 +464,39 @@ def test_cli_predict_options_change_the_prediction(capsys):
     assert every["zenflow"]["step_time_s"] > rare["zenflow"]["step_time_s"]
 
 
+def test_apply_delay_hides_the_host_job_behind_fewer_steps(capsys):
+    """apply_delay = d: the host job hides behind d steps of device time instead of a window.
+    Llama-2-7B on a100-pcie4 at 0.1 x 4 is host-bound (the job takes about 3 steps): a
+    delay of 3 or 4 (the default) costs nothing, 2 and 1 cost more each step; where the job
+    takes less than one step (a fast host), no delay costs anything."""
+    h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
+
+    def step(hw_, d):
+        return S.predict(hw_, wl, "zenflow", topk_ratio=0.1, update_interval=4,
+                         apply_delay=d).step_time_s
+
+    t = {d: step(h, d) for d in (None, 1, 2, 3, 4)}
+    assert t[4] == t[None] == pytest.approx(t[3], rel=1e-9)
+    assert t[1] > t[2] > t[3]
+    fast = S.Hardware.from_profile("a100-pcie4", host_adam_elements_per_s=1e12)
+    assert step(fast, 1) == pytest.approx(step(fast, 4), rel=1e-9)
+    pred = S.predict(h, wl, "zenflow", topk_ratio=0.1, update_interval=4, apply_delay=2)
+    assert pred.to_dict()["settings"]["apply_delay"] == 2
+    # and from the command line
+    args = ["predict", "--profile", "a100-pcie4", "--model", "llama2-7b", "--json",
+            "--topk-ratio", "0.1", "--update-interval", "4"]
+    assert cli.main(args + ["--apply-delay", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)["zenflow"]
+    assert got["settings"]["apply_delay"] == 1
+    assert got["step_time_s"] == pytest.approx(t[1], rel=1e-9)
+    # an interval shorter than the profile's delay drops the profile's delay, as it does
+    # the profile's select_interval
+    assert cli.main(args[:-1] + ["2"]) == 0
+    assert json.loads(capsys.readouterr().out)["zenflow"]["settings"]["update_interval"] == 2
+    assert cli.main(args + ["--apply-delay", "5"]) == 2
+    assert "apply_delay must be in [1, update_interval=4]" in capsys.readouterr().err
+
+
 def test_fsdp2_shards_the_device_side_and_leaves_the_host_side_as_under_ddp():
     """Under FSDP2 each GPU holds 1/N of the params, gradients and device state (column
     indices whole: every rank makes the same selection) and updates only its rows; the host

@@ -54,8 +54,16 @@ class ZenFlowConfig:
     None means 16 * update_interval."""
 
     overlap: bool = True
-    """True: the host result of the window ending at step t is applied at t + update_interval
+    """True: the host result of the window ending at step t is applied at t + apply_delay
     (the host works while the device trains). False: it is applied at t (synchronous)."""
+
+    apply_delay: int | None = None
+    """With overlap=True, the steps (1 to update_interval) after a window's last step at
+    whose end its host result is written into the params: the host has that many steps of
+    device time to hide behind, and the deferred columns are that many steps stale. None =
+    update_interval (the next boundary). A shorter delay buys back most of what staleness
+    costs in quality where the host keeps up (docs/quality.md); where it does not, the
+    device waits (``zenflow-tune predict`` models it)."""
 
     warmup_steps: int = 0
     """Steps (>= 0) of synchronous full host updates before the first selection."""
@@ -151,6 +159,12 @@ class ZenFlowConfig:
                 )
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"overlap must be a bool, got {self.overlap!r}")
+        if self.apply_delay is not None:
+            _check_number("apply_delay", self.apply_delay, int, lo=1, hi=self.update_interval,
+                          rng=f"in [1, update_interval={self.update_interval}] or None")
+            if not self.overlap:
+                raise ConfigError("apply_delay needs overlap=True (overlap=False applies each "
+                                  "window's result at its own boundary)")
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"check_finite must be a bool, got {self.check_finite!r}")
         _check_number("warmup_steps", self.warmup_steps, int, lo=0, rng=">= 0")
@@ -192,6 +206,11 @@ class ZenFlowConfig:
         if self.select_interval is None:
             return DEFAULT_SELECT_INTERVAL_WINDOWS * self.update_interval
         return self.select_interval
+
+    @property
+    def effective_apply_delay(self) -> int:
+        """Steps after its window's last step at which an overlapped result is applied."""
+        return self.update_interval if self.apply_delay is None else self.apply_delay
 
     def is_dense(self, name: str | None) -> bool:
         """Whether a param of this name is in the dense set (``dense_params``)."""

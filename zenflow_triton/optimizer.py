@@ -20,7 +20,8 @@ Schedule, with t the global step (1-based) and u = t - warmup_steps:
   "adaptive": between sqrt(n) and n by the window's signal fraction, n the param's number
   of gradients in the window, resolved by the host job; 1 in warm-up, which is plain AdamW;
   see ``ZenFlowConfig.host_lr_scale``). With overlap=True the result is
-  written into the param at the next boundary, with overlap=False at once. The apply point is
+  written into the param at the end of step u + apply_delay (default: the next boundary),
+  with overlap=False at once. The apply point is
   fixed by the step count, never by thread timing, so training is bit-for-bit reproducible.
 
 The host half's buffers, jobs and waits live in ``host.HostPipeline`` (staging, outboxes,
@@ -273,14 +274,25 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                     self._select(fresh)
             direct = self._device_half(
                 work, single_step_window=boundary and (warmup or cfg.update_interval == 1))
+            delay = cfg.effective_apply_delay
             if boundary:
                 if cfg.overlap and not warmup:
-                    self._drain()          # apply the window that ended update_interval ago
+                    if delay == cfg.update_interval or self._host_pending():
+                        self._drain()      # apply the window that ended update_interval ago
                     self._launch_host(direct, apply_now=False)
                 else:
                     self._launch_host(direct, apply_now=True, warmup=warmup)
                     self._drain()          # synchronous: apply this window's result now
+            elif (cfg.overlap and not warmup and u % cfg.update_interval == delay
+                  and self._host_pending()):
+                self._drain()              # apply the window that ended apply_delay ago
         return loss
+
+    def _host_pending(self) -> bool:
+        """Whether host work is in flight or a host result waits to be applied (the same on
+        every rank: both follow the step count)."""
+        return self._pipeline.inflight or any(
+            isinstance(st, dict) and st.get("host_pending") for st in self.state.values())
 
     def _wait_before_step(self) -> None:
         """The waits of a step that come before any change: a failed host accumulation and

@@ -112,8 +112,9 @@ def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     amortised column scoring of a selection, and (accumulate_on="device") the window sum.
     At a boundary: the window mean is cast to the param dtype on the device and copied down,
     the host updates, the result is copied up and scattered into the params: at once
-    (overlap=False), or at the next boundary (overlap=True; the up copy is issued there, at
-    the apply point, unless ``prefetch_result``)."""
+    (overlap=False), or at the end of the step ``apply_delay`` steps later (overlap=True;
+    the next boundary by default; the up copy is issued there, at the apply point, unless
+    ``prefetch_result``)."""
     n = c.n_gpus
     g = b = c.b
     a = _DTYPE_BYTES[cfg.accumulator_dtype]
@@ -142,6 +143,7 @@ def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     host_add = h * (g + 2 * a) / HOST_ADAM_BYTES_PER_ELEMENT / c.R if on_host else 0.0
     host_adam = h / c.R
     up = h * b / c.BL
+    delay = min(cfg.effective_apply_delay, K)  # K = 1: every step is a boundary
     def body(L: _Lanes, w: int, i: int) -> float:
         state = L.marks
         start = L.free["device"]
@@ -156,13 +158,14 @@ def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
             t = L.run("device", gather, "gather host columns")
             d = L.run("link-down", down_step, "grads down", [t])
             state["last_add"] = L.run("host", host_add, "host accumulate", [d])
-        if i != K - 1 or h == 0:
-            return start
-        # window boundary
-        if cfg.overlap and "job_host_end" in state:  # drain the previous window
+        if cfg.overlap and h > 0 and i == delay - 1 and "job_host_end" in state:
+            # the apply point of the previous window: at its end, or apply_delay steps in
             after = [state["job_host_end"]] + ([] if prefetch_result else [t])
             u = L.run("link-up", up, "params up", after)
             t = L.run("device", scatter, "apply (scatter)", [u])
+        if i != K - 1 or h == 0:
+            return start
+        # window boundary
         if mean:
             t = L.run("device", mean, "window mean -> bf16")
         if on_host:
@@ -187,8 +190,10 @@ def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
         # previous step, which has had only one step's compute to hide behind; the boundary
         # that would have applied it then has nothing to wait for. Net extra, amortised:
         job = (down_step + host_add if on_host else down_window) + host_adam
-        window_dev = K * (F + B + dev_update + score + acc + gather) + mean + scatter
-        drain = ((max(0.0, job - (F + B)) - max(0.0, job - window_dev))
+        per_step = F + B + dev_update + score + acc + gather
+        # what the apply point would have hidden the job behind: apply_delay steps
+        hidden = K * per_step + mean + scatter if delay == K else delay * per_step
+        drain = ((max(0.0, job - (F + B)) - max(0.0, job - hidden))
                  / cfg.effective_select_interval)
     return lanes_starts, drain, {"device_owned_elements": e_dev, "host_owned_elements": e_host,
                                  "link_down_per_window": (h * (b if windowed else g)

@@ -25,7 +25,8 @@ def zenflow_config(config: Any = None, **overrides: Any):
         raise StepModelError(str(e)) from None
 
 
-_SETTING_KEYS = ("topk_ratio", "update_interval", "select_interval", "overlap", "accumulate_on",
+_SETTING_KEYS = ("topk_ratio", "update_interval", "select_interval", "overlap", "apply_delay",
+                 "accumulate_on",
                  "accumulator_dtype", "host_state_dtype", "min_offload_numel", "host_threads",
                  "dense_params")
 

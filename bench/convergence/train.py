@@ -40,6 +40,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-dense": dict(host_lr_scale="sqrt"),
     "zenflow-adaptive-dense": dict(host_lr_scale="adaptive"),
     "zenflow-aggressive-adaptive-dense": dict(host_lr_scale="adaptive", **_AGGRESSIVE),
+    # ... with each window's result applied 2 steps after it (half the window) instead of 4
+    "zenflow-adaptive-dense-delay2": dict(host_lr_scale="adaptive", apply_delay=2),
+    "zenflow-aggressive-adaptive-dense-delay4": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
+                                                     apply_delay=4),
     # ... and a reselection every second window (instead of every 16th)
     "zenflow-aggressive-adaptive-dense-sel2": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                    select_interval=16),
