@@ -19,11 +19,8 @@ Variants: a setting (``defaults``: 0.1 x 4, or ``aggressive``: 0.02 x 8, both wi
   split matrix also take a state-free step ``-lr * c * sign(g)`` on the device (FRUGAL's
   signSGD part), overwritten by the host's fp32 master at the next apply (``sign0.3``:
   c = 0.3; plain ``sign``: c = 1),
-* ``applyN``: an experiment, not a library feature yet: each window's result applied ``N``
-  steps after its window (1 <= N < update_interval) instead of at the next boundary (N =
-  update_interval, the library's overlap) or at its own (``sync``): ``synchronize()`` after
-  the step ``N`` steps past each boundary, which finishes the job and applies it at the
-  same point of the step as the boundary's apply would (after the device half),
+* ``applyN``: ``apply_delay=N`` (each window's result applied ``N`` steps after it, instead
+  of at the next boundary, ``N = update_interval``, or at its own, ``sync``),
 * ``rotate``: an experiment: half of each selection's k columns by score, the other half the
   host-owned columns that have waited longest (against starving columns).
 
@@ -46,18 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from autotune.objective import (TuneSettings, measure_reference, quality_limit,  # noqa: E402
                                 train_and_measure)
 from autotune.workload import load_workload_factory  # noqa: E402
-from zenflow_triton import ZenFlowOptimizer  # noqa: E402
+from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer  # noqa: E402
 from zenflow_triton import partition as P  # noqa: E402
 
 SETTINGS = {"defaults": dict(topk_ratio=0.1, update_interval=4, host_lr_scale="adaptive"),
             "aggressive": dict(topk_ratio=0.02, update_interval=8, host_lr_scale="adaptive")}
 
 
-def parse(variant: str) -> tuple[dict, float, bool, int | None]:
-    """``"aggressive/sel2/sign0.3"`` -> (config fields, sign factor, rotate, apply delay)."""
+def parse(variant: str) -> tuple[dict, float, bool]:
+    """``"aggressive/sel2/sign0.3"`` -> (config fields, sign factor, rotate)."""
     base, *mods = variant.split("/")
     cfg = dict(SETTINGS[base])
-    sign, rotate, delay = 0.0, False, None
+    sign, rotate = 0.0, False
     for m in mods:
         if m == "split":
             cfg["dense_params"] = ()
@@ -72,13 +69,11 @@ def parse(variant: str) -> tuple[dict, float, bool, int | None]:
         elif m == "rotate":
             rotate = True
         elif m.startswith("apply") and m[5:].isdigit():
-            delay = int(m[5:])
-            if not 1 <= delay < cfg["update_interval"]:
-                raise ValueError(f"{m!r} in {variant!r}: the delay must be in "
-                                 f"[1, update_interval={cfg['update_interval']})")
+            cfg["apply_delay"] = int(m[5:])
         else:
             raise ValueError(f"unknown modifier {m!r} in {variant!r}")
-    return cfg, sign, rotate, delay
+    ZenFlowConfig(**cfg)  # a bad value fails here, before any training
+    return cfg, sign, rotate
 
 
 def with_sign_steps(opt: ZenFlowOptimizer, c: float) -> None:
@@ -99,22 +94,6 @@ def with_sign_steps(opt: ZenFlowOptimizer, c: float) -> None:
                     p2d, g2d = P.view2d(p.detach()), P.view2d(p.grad, like=p)
                     p2d[:, cols] -= group["lr"] * c * torch.sign(g2d[:, cols])
         return real(closure)
-
-    opt.step = step
-
-
-def with_apply_delay(opt: ZenFlowOptimizer, delay: int) -> None:
-    """The applyN experiment: after the step ``delay`` steps past each boundary, finish the
-    host job and apply its result (``synchronize()``), so the boundary finds nothing left to
-    apply. Warm-up off (the tuner's workload uses none)."""
-    real, ui, steps = opt.step, opt.config.update_interval, [0]
-
-    def step(closure=None):
-        out = real(closure)
-        steps[0] += 1
-        if steps[0] % ui == delay:
-            opt.synchronize()
-        return out
 
     opt.step = step
 
@@ -151,7 +130,7 @@ class Rotating:
 
 
 def run(factory, ts: TuneSettings, variant: str) -> float:
-    cfg, sign, rotate, delay = parse(variant)
+    cfg, sign, rotate = parse(variant)
     import zenflow_triton.optimizer as O
 
     def make(params):
@@ -159,8 +138,6 @@ def run(factory, ts: TuneSettings, variant: str) -> float:
                                weight_decay=ts.weight_decay, **cfg)
         if sign:
             with_sign_steps(opt, sign)
-        if delay:
-            with_apply_delay(opt, delay)
         return opt
 
     plan = O.plan_selection
