@@ -133,7 +133,10 @@ MODES = {"host-acc": dict(accumulate_on="host"),
          # The adaptive host step size where its trust cap does not bind (at LR the cap is
          # 1: 0.01 * rms(w) / LR < 1): a multiplier between sqrt(4) and 4 that the moments
          # decide, from every rank's rows.
-         "adaptive": dict(update_interval=4, select_interval=8, lr=2e-4)}
+         "adaptive": dict(update_interval=4, select_interval=8, lr=2e-4),
+         # results applied 1 step after their window: the drain (with its agreement and row
+         # gather) at a step that is not a boundary, on every rank alike
+         "delay1": dict(update_interval=4, select_interval=8, apply_delay=1)}
 
 
 def mode_config(mode: str | None) -> tuple[float, dict]:
