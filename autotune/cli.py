@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--interval-grid", dest="interval_grid",
                    help="modelled objective: comma-separated update_interval values of the "
                         "quality grid (default 1,2,4,8,16)")
+    r.add_argument("--delay-grid", dest="delay_grid",
+                   help="modelled objective: comma-separated apply_delay values of the quality "
+                        "grid as fractions of each update interval in (0, 1], e.g. 1,0.5,0.25 "
+                        "(default 1: each result at the next boundary)")
     r.add_argument("--top", type=_pos_int, default=5, help="rows in the final table")
     r.add_argument("--prune-ratio", type=float, default=0.5,
                    help="prune a trial below this fraction of the best feasible throughput")
@@ -260,7 +264,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     modelled_only = [o for o, v in (("--model", args.model), ("--gpus", args.gpus != 1),
                                     ("--tokens", args.tokens), ("--mfu", args.mfu),
                                     ("--topk-grid", args.topk_grid),
-                                    ("--interval-grid", args.interval_grid)) if v]
+                                    ("--interval-grid", args.interval_grid),
+                                    ("--delay-grid", args.delay_grid)) if v]
     if modelled_only:
         raise UsageError(f"{', '.join(modelled_only)}: only with --objective modelled")
     if args.save_as:

@@ -53,9 +53,12 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
 
 QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
+QUALITY_APPLY_DELAYS = (1.0,)
 QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
-                "dense_params")
-"""The settings that change the optimizer's arithmetic, hence the quality (a grid point)."""
+                "dense_params", "apply_delay")
+"""The settings that change the optimizer's arithmetic, hence the quality (a grid point).
+A point's ``apply_delay`` of None (the default schedule) is left out of its key, so points
+stored before the delay was searched keep theirs."""
 MAX_ATTEMPTS = 2
 """Training runs of one grid point that may fail (an exception, not a divergence) before the
 quality study gives up on it."""
@@ -81,11 +84,26 @@ class QualityGrid:
     host_lr_scale: float | str | None = None
     """None: ``ZenFlowConfig().host_lr_scale``, the library default."""
     overlap: bool = True
+    apply_delays: tuple[float, ...] = QUALITY_APPLY_DELAYS
+    """``apply_delay`` as fractions of each point's update interval, in (0, 1]: a point per
+    distinct delay ``max(1, round(f * update_interval))`` (1.0: the next boundary, the
+    default schedule). Ignored without overlap."""
 
     def __post_init__(self) -> None:
         if not self.topk_ratios or not self.update_intervals:
             raise ModelledError("a quality grid needs at least one topk_ratio and one "
                                 "update_interval")
+        if not self.apply_delays or not all(0 < f <= 1 for f in self.apply_delays):
+            raise ModelledError("apply delays are fractions of the update interval in (0, 1], "
+                                f"got {self.apply_delays!r}")
+
+    def delays(self, ui: int) -> list[int | None]:
+        """The distinct apply delays of the points with update interval ``ui`` (None: the
+        next boundary)."""
+        if not self.overlap:
+            return [None]
+        out = dict.fromkeys(max(1, min(ui, round(f * ui))) for f in self.apply_delays)
+        return [None if d == ui else d for d in out]
 
     def points(self) -> list[dict[str, Any]]:
         """Validated settings (:data:`QUALITY_KEYS`) of every point, in grid order."""
@@ -97,21 +115,28 @@ class QualityGrid:
                     else self.host_lr_scale)
         out = []
         for ui in self.update_intervals:
-            for k in self.topk_ratios:
-                try:
-                    cfg = ZenFlowConfig(topk_ratio=float(k), update_interval=int(ui),
-                                        select_interval=windows * int(ui),
-                                        host_lr_scale=lr_scale, overlap=self.overlap)
-                except ConfigError as e:
-                    raise ModelledError(f"quality grid point topk_ratio={k}, "
-                                        f"update_interval={ui}: {e}") from None
-                out.append({key: getattr(cfg, key) for key in QUALITY_KEYS})
+            for delay in self.delays(int(ui)):
+                for k in self.topk_ratios:
+                    try:
+                        cfg = ZenFlowConfig(topk_ratio=float(k), update_interval=int(ui),
+                                            select_interval=windows * int(ui),
+                                            host_lr_scale=lr_scale, overlap=self.overlap,
+                                            apply_delay=delay)
+                    except ConfigError as e:
+                        raise ModelledError(f"quality grid point topk_ratio={k}, "
+                                            f"update_interval={ui}, apply_delay={delay}: "
+                                            f"{e}") from None
+                    out.append({key: getattr(cfg, key) for key in QUALITY_KEYS})
         return out
 
 
 def point_key(settings: dict[str, Any]) -> str:
-    """A grid point's identity in the quality study (JSON of its quality settings)."""
-    return json.dumps({k: settings[k] for k in QUALITY_KEYS}, sort_keys=True)
+    """A grid point's identity in the quality study (JSON of its quality settings; an
+    ``apply_delay`` of None, or none, is left out: see :data:`QUALITY_KEYS`)."""
+    key = {k: settings[k] for k in QUALITY_KEYS if k != "apply_delay"}
+    if settings.get("apply_delay") is not None:
+        key["apply_delay"] = settings["apply_delay"]
+    return json.dumps(key, sort_keys=True)
 
 
 @dataclass
@@ -366,6 +391,7 @@ def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: in
     for p in store.points:
         settings = dict(base_settings or {})
         settings.update(p.settings)
+        settings["apply_delay"] = p.settings.get("apply_delay")  # a point without one: None
         try:
             cfg = M.zenflow_config(settings)
         except M.StepModelError as e:
@@ -499,6 +525,8 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
         "grid": {
             "topk_ratios": sorted({r.point.settings["topk_ratio"] for r in out.rows}),
             "update_intervals": sorted({r.point.settings["update_interval"] for r in out.rows}),
+            "apply_delays": sorted({r.point.settings.get("apply_delay") or
+                                    r.point.settings["update_interval"] for r in out.rows}),
             "points": len(out.rows),
             "feasible": sum(r.point.feasible for r in out.rows),
             "fit": sum(r.fits for r in out.rows),
@@ -534,7 +562,7 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
     store, wl = out.store, out.workload
     zo_t = out.zero_offload.modelled_step_time_s
     head = (f"{'rank':>4} {'tokens/s':>10} {'vs zero-off':>11} {'step s':>7} {'stall':>6} "
-            f"{'loss':>7} {'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5}")
+            f"{'loss':>7} {'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5} {'delay':>5}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(out.eligible[:top], 1):
         s = r.point.settings
@@ -542,7 +570,8 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
             f"{i:>4} {r.throughput:>10,.0f} {zo_t / r.step_time_s:>10.2f}x "
             f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
             f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
-            f"{s['update_interval']:>4} {s['select_interval']:>5}")
+            f"{s['update_interval']:>4} {s['select_interval']:>5} "
+            f"{s.get('apply_delay') or s['update_interval']:>5}")
     if not out.eligible:
         lines.append("  (no feasible grid point fits)")
     ref = store.reference
@@ -658,6 +687,8 @@ def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
             if any(v != int(v) for v in ints):
                 raise usage(f"--interval-grid: expected integers, got {args.interval_grid!r}")
             grid_kw["update_intervals"] = tuple(int(v) for v in ints)
+        if args.delay_grid:
+            grid_kw["apply_delays"] = _float_list(args.delay_grid, "--delay-grid", usage)
         grid = QualityGrid(**grid_kw)
         grid.points()
     except (ValueError, ModelledError) as e:
@@ -693,7 +724,8 @@ def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
     b = out.best
     print(f"\nchosen: topk_ratio={b.point.settings['topk_ratio']:g}, update_interval="
           f"{b.point.settings['update_interval']}, select_interval="
-          f"{b.point.settings['select_interval']}: {b.throughput:,.0f} tokens/s per GPU "
+          f"{b.point.settings['select_interval']}, apply_delay="
+          f"{b.point.settings.get('apply_delay')}: {b.throughput:,.0f} tokens/s per GPU "
           f"(modelled, {b.step_time_s:.3f} s/step, stall {b.prediction.stall_fraction:.0%})")
     if out.profile_path is not None:
         print(f"saved profile {out.profile.name!r} to {out.profile_path}")

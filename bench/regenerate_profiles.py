@@ -41,9 +41,10 @@ SKIP = ("cpu",)
 
 def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: int,
                tokens: int, storage: str | None, dry_run: bool, top: int,
-               headroom: float = 0.25) -> int:
+               headroom: float = 0.25, apply_delays: tuple[float, ...] | None = None) -> int:
     factory, ts = MD.default_quality_settings()
-    store = MD.run_quality_grid(factory=factory, ts=ts, storage_url=storage,
+    grid = MD.QualityGrid(apply_delays=apply_delays) if apply_delays else None
+    store = MD.run_quality_grid(factory=factory, ts=ts, storage_url=storage, grid=grid,
                                 log=lambda m: print(m, flush=True))
     print()
     print(MD.guard_line(store))
@@ -100,6 +101,8 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
         prov["citations"] = doc["provenance"].get("citations", [])
         settings = dict(doc["settings"])
         settings.update(out.best.point.settings)
+        if out.best.point.settings.get("apply_delay") is None:  # the default: not written
+            settings.pop("apply_delay", None)
         new = dict(doc, settings=settings, provenance=prov)
         Profile.from_dict(json.loads(json.dumps(new)), path=path)  # valid before writing
         s = out.best.point.settings
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--headroom", type=float, default=0.25,
                     help="share of the guard's allowance (limit - AdamW's loss) a chosen "
                          "point must leave unused, in [0, 1) (default 0.25)")
+    ap.add_argument("--delay-grid", default=None,
+                    help="apply_delay values of the quality grid as fractions of each update "
+                         "interval, comma-separated in (0, 1] (default 1: the next boundary)")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -144,8 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--fallback: unknown preset {f!r}; valid: {', '.join(sorted(SM.PRESETS))}")
     if not 0 <= a.headroom < 1:
         ap.error(f"--headroom must be in [0, 1), got {a.headroom}")
+    delays = None
+    if a.delay_grid:
+        try:
+            delays = tuple(float(v) for v in a.delay_grid.split(",") if v)
+            MD.QualityGrid(apply_delays=delays)
+        except (ValueError, MD.ModelledError) as e:
+            ap.error(f"--delay-grid: {e}")
     return regenerate(a.profiles, a.model, fallback, a.gpus, a.tokens, a.storage, a.dry_run,
-                      a.top, a.headroom)
+                      a.top, a.headroom, delays)
 
 
 if __name__ == "__main__":

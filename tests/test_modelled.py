@@ -180,6 +180,39 @@ def test_the_fastest_feasible_point_by_the_model_is_chosen(dirs, fake):
     assert "within 5% of AdamW's" in MD.guard_line(out.store)
 
 
+def test_a_delay_grid_adds_points_and_keeps_the_stored_ones(dirs, fake, monkeypatch):
+    """``apply_delays`` adds a point per distinct delay of each update interval (1.0: the
+    default schedule, whose key has no delay, so points stored before the delay was searched
+    are reused), and the chosen point is ranked by the step model with its delay."""
+    grid = MD.QualityGrid(topk_ratios=(0.1,), update_intervals=(1, 4, 16),
+                          apply_delays=(1.0, 0.5, 0.25))
+    pts = grid.points()
+    assert [(p["update_interval"], p["apply_delay"]) for p in pts] == [
+        (1, None), (4, None), (4, 2), (4, 1), (16, None), (16, 8), (16, 4)]
+    old_style = {k: v for k, v in pts[1].items() if k != "apply_delay"}
+    assert MD.point_key(old_style) == MD.point_key(pts[1]) != MD.point_key(pts[2])
+    url = f"sqlite:///{dirs / 'q.db'}"
+    plain = MD.QualityGrid(topk_ratios=(0.1,), update_intervals=(1, 4, 16))
+    _run(url, grid=plain)
+    assert len(fake["train"]) == 3
+    # a shorter delay costs no quality in this fake: the model decides, by its step time
+    out = _run(url, grid=grid)
+    assert out.store.trials_run == 4 and len(fake["train"]) == 7
+    assert {c["apply_delay"] for c in fake["train"][3:]} == {1, 2, 4, 8}
+    hw, wl = SM.Hardware.from_profile("a100-pcie4"), SM.Workload.from_preset("llama2-7b")
+    for r in out.rows:
+        want = SM.predict(hw, wl, "zenflow", config=r.settings).modelled_step_time_s
+        assert r.step_time_s == pytest.approx(want)
+        assert r.settings["apply_delay"] == r.point.settings.get("apply_delay")
+    # at 0.1 x 4 on a100-pcie4 a delay of 2 costs step time (the host job takes ~3 steps)
+    by = {(r.point.settings["update_interval"], r.point.settings.get("apply_delay")): r
+          for r in out.rows}
+    assert by[4, 2].step_time_s > by[4, None].step_time_s
+    assert "delay" in MD.format_modelled_table(out)
+    with pytest.raises(MD.ModelledError, match=r"fractions of the update interval in \(0, 1\]"):
+        MD.QualityGrid(apply_delays=(0.0,))
+
+
 def test_a_model_that_does_not_fit_chooses_nothing(dirs, fake):
     out = _run(f"sqlite:///{dirs / 'q.db'}", profile="rtx4090-pcie4")  # 24 GB < 27 GB of bf16
     assert out.best is None and not any(r.fits for r in out.rows)
@@ -270,6 +303,9 @@ M = ["run", "--objective", "modelled"]
      "topk_ratio"),
     (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--interval-grid", "2.5"],
      "--interval-grid"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--delay-grid", "1,1.5"],
+     "fractions of the update interval"),
+    (["run", "--delay-grid", "0.5"], "--delay-grid: only with --objective modelled"),
     (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--save-as", "Bad/Name"],
      "invalid profile name"),
     (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--mfu", "2"], "--mfu"),
