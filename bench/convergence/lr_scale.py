@@ -127,6 +127,9 @@ def report(rows: list[dict], conv_rows: list[dict] | None = None) -> tuple[str, 
     for r in rows:
         by_wl.setdefault(r["workload"], []).append(r)
     rule_div = {rule: 0 for rule in RULES}
+    # the rules this file has runs of (a file of chosen --rules reports those only)
+    present = {r.get("rule") for r in rows if r["optimizer"] == "zenflow"}
+    rules = [rule for rule in RULES if any(run_rule(rule, k) in present for k in INTERVALS)]
     rule_missing = {rule: 0 for rule in RULES}  # grid cells without runs
     rule_gap: dict[str, list[float]] = {rule: [] for rule in RULES}
     for wl, rs in by_wl.items():
@@ -143,7 +146,7 @@ def report(rows: list[dict], conv_rows: list[dict] | None = None) -> tuple[str, 
                       "AdamW's (same seeds); DIV = a seed diverged.\n",
                       "| rule | " + " | ".join(f"interval {k}" for k in INTERVALS) + " |",
                       "| --- |" + " --- |" * len(INTERVALS)]
-            for rule in RULES:
+            for rule in rules:
                 cells = []
                 for k in INTERVALS:
                     mine = [r for r in rs if r.get("rule") == run_rule(rule, k)
@@ -172,7 +175,7 @@ def report(rows: list[dict], conv_rows: list[dict] | None = None) -> tuple[str, 
         lines.append("\n| rule | divergences | mean gap to AdamW over the grid (nats) | "
                      "mean gap on the pretrained models (nats, runs) |")
         lines.append("| --- | --- | --- | --- |")
-    for rule in RULES:
+    for rule in rules:
         div = f"{rule_div[rule]}" + (f" ({rule_missing[rule]} cells not run)"
                                      if rule_missing[rule] else "")
         row = f"| {rule} | {div} | {mean(rule_gap[rule]):+.4f} |"
@@ -180,7 +183,7 @@ def report(rows: list[dict], conv_rows: list[dict] | None = None) -> tuple[str, 
             row += f" {mean(real[rule]):+.4f} ({len(real[rule])}) |"
         lines.append(row)
     # safe: never diverged, with runs in every cell of the grid
-    safe = [r for r in RULES if rule_div[r] == 0 and rule_gap[r] and not rule_missing[r]]
+    safe = [r for r in rules if rule_div[r] == 0 and rule_gap[r] and not rule_missing[r]]
     if real is not None:
         judged = [r for r in safe if real[r]]
         chosen = min(judged, key=lambda r: (mean(real[r]), RULES.index(r))) if judged else None
