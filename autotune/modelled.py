@@ -130,6 +130,11 @@ class QualityGrid:
         return out
 
 
+def _delay(settings: dict[str, Any]) -> int:
+    """A point's apply delay in steps (None, or none stored: its update interval)."""
+    return settings.get("apply_delay") or settings["update_interval"]
+
+
 def point_key(settings: dict[str, Any]) -> str:
     """A grid point's identity in the quality study (JSON of its quality settings; an
     ``apply_delay`` of None, or none, is left out: see :data:`QUALITY_KEYS`)."""
@@ -525,8 +530,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
         "grid": {
             "topk_ratios": sorted({r.point.settings["topk_ratio"] for r in out.rows}),
             "update_intervals": sorted({r.point.settings["update_interval"] for r in out.rows}),
-            "apply_delays": sorted({r.point.settings.get("apply_delay") or
-                                    r.point.settings["update_interval"] for r in out.rows}),
+            "apply_delays": sorted({_delay(r.point.settings) for r in out.rows}),
             "points": len(out.rows),
             "feasible": sum(r.point.feasible for r in out.rows),
             "fit": sum(r.fits for r in out.rows),
@@ -570,8 +574,7 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
             f"{i:>4} {r.throughput:>10,.0f} {zo_t / r.step_time_s:>10.2f}x "
             f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
             f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
-            f"{s['update_interval']:>4} {s['select_interval']:>5} "
-            f"{s.get('apply_delay') or s['update_interval']:>5}")
+            f"{s['update_interval']:>4} {s['select_interval']:>5} {_delay(s):>5}")
     if not out.eligible:
         lines.append("  (no feasible grid point fits)")
     ref = store.reference

@@ -84,13 +84,23 @@ class FiniteWatch:
         """Read the flags of every deferred step and of ``work`` (the gradients of step
         ``step``, None for none), one host read per device, before anything of this step
         changes; NonFiniteGradientError when any is set (rolled back, see the module)."""
-        self.judge(work, step, {d: f.tolist() for d, f in self.flags(work).items()})
+        current = _by_device(work)
+        self._judge(current, work, step,
+                    {d: f.tolist() for d, f in self._flags(current).items()})
 
     def flags(self, work: Work) -> dict[torch.device, torch.Tensor]:
         """Per device, the flags :meth:`check` reads, still on the device (bool, every
         deferred step's then ``work``'s): a caller that copies to the host anyway may bring
         them in the same copy and hand the values to :meth:`judge`."""
-        current = _by_device(work)
+        return self._flags(_by_device(work))
+
+    def judge(self, work: Work, step: int | None, reads: dict[torch.device, list]) -> None:
+        """:meth:`check` once the values of :meth:`flags` (of the same ``work``, nothing
+        deferred in between) are on the host: ``reads``, per device, any sequence of
+        truth values in their order."""
+        self._judge(_by_device(work), work, step, reads)
+
+    def _flags(self, current: dict) -> dict[torch.device, torch.Tensor]:
         out = {}
         for device in set(current) | {d for rec in self._pending for d in rec.flags}:
             parts = [rec.flags[device] for rec in self._pending if device in rec.flags]
@@ -99,11 +109,7 @@ class FiniteWatch:
             out[device] = torch.cat(parts)
         return out
 
-    def judge(self, work: Work, step: int | None, reads: dict[torch.device, list]) -> None:
-        """:meth:`check` once the values of :meth:`flags` (of the same ``work``, nothing
-        deferred in between) are on the host: ``reads``, per device, any sequence of
-        truth values in their order."""
-        current = _by_device(work)
+    def _judge(self, current: dict, work: Work, step: int | None, reads: dict) -> None:
         offsets = dict.fromkeys(reads, 0)
         for i, rec in enumerate(self._pending):
             bad = []

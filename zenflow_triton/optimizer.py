@@ -245,11 +245,11 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         boundary = warmup or u % cfg.update_interval == 0
         # The NaN/inf check: read now, or (check_finite_at="boundary", a step that waits for
         # nothing) left on the device to mask this step's update if bad (finite_watch).
-        setup = self._needs_setup(work)
+        # (a step is steady or reselecting, never both: setup is looked at once at most)
         defer = (cfg.check_finite and self._finite.at_boundary and not (warmup or reselect
-                 or boundary) and not setup)
+                 or boundary) and not self._needs_setup(work))
         moves = None
-        if reselect and not setup:
+        if reselect and not self._needs_setup(work):
             # The picks come to the host anyway: the check's flags ride in the same copy,
             # read before anything changes (scoring and picking change nothing).
             moves = self._plan(work, self._global_step + 1 if cfg.check_finite else None)
@@ -373,13 +373,11 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         """Score and pick the columns of a reselection (states made and selected before),
         and with ``check_step`` read the NaN/inf check of the step in the picks' copy: one
         host read per device for both; NonFiniteGradientError before any change."""
-        if check_step is None:
-            return plan_selection(self._matrices(work), self._states, self.ops, self.link,
-                                  self.config, self._shard)
-        moves, reads = plan_selection(self._matrices(work), self._states, self.ops,
-                                      self.link, self.config, self._shard,
-                                      also=self._finite.flags(work))
-        self._finite.judge(work, check_step, reads)
+        flags = {} if check_step is None else self._finite.flags(work)
+        moves, reads = plan_selection(self._matrices(work), self._states, self.ops, self.link,
+                                      self.config, self._shard, also=flags)
+        if check_step is not None:
+            self._finite.judge(work, check_step, reads)
         return moves
 
     def _select(self, items) -> None:
