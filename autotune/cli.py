@@ -98,9 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modelled objective: comma-separated update_interval values of the "
                         "quality grid (default 1,2,4,8,16)")
     r.add_argument("--delay-grid", dest="delay_grid",
-                   help="modelled objective: comma-separated apply_delay values of the quality "
-                        "grid as fractions of each update interval in (0, 1], e.g. 1,0.5,0.25 "
-                        "(default 1: each result at the next boundary)")
+                   help="comma-separated apply_delay values to search, as fractions of each "
+                        "update interval in (0, 1], e.g. 1,0.5,0.25 (default 1: each result "
+                        "at the next boundary); modelled: points of the quality grid, "
+                        "measured: a categorical parameter of the search space")
     r.add_argument("--top", type=_pos_int, default=5, help="rows in the final table")
     r.add_argument("--prune-ratio", type=float, default=0.5,
                    help="prune a trial below this fraction of the best feasible throughput")
@@ -206,6 +207,23 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _delay_shares(text: str | None) -> tuple[float, ...]:
+    """``--delay-grid`` of the measured objective: distinct shares, in the order given."""
+    if not text:
+        return (1.0,)
+    try:
+        shares = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--delay-grid: expected comma-separated numbers, got {text!r}") from None
+    if not shares:
+        raise ValueError("--delay-grid: empty")
+    bad = [f for f in shares if not 0.0 < f <= 1.0]
+    if bad:
+        raise ValueError(f"--delay-grid: shares of the update interval are in (0, 1], got "
+                         f"{', '.join(f'{f:g}' for f in bad)}")
+    return tuple(dict.fromkeys(shares))
+
+
 def _check_device_exists(dev: "torch.device") -> None:
     import torch
 
@@ -264,8 +282,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     modelled_only = [o for o, v in (("--model", args.model), ("--gpus", args.gpus != 1),
                                     ("--tokens", args.tokens), ("--mfu", args.mfu),
                                     ("--topk-grid", args.topk_grid),
-                                    ("--interval-grid", args.interval_grid),
-                                    ("--delay-grid", args.delay_grid)) if v]
+                                    ("--interval-grid", args.interval_grid)) if v]
     if modelled_only:
         raise UsageError(f"{', '.join(modelled_only)}: only with --objective modelled")
     if args.save_as:
@@ -298,7 +315,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           seed=given.get("seed", 0), lr=given.get("lr", DEFAULT_LR),
                           loss_margin=given.get("loss_margin", DEFAULT_LOSS_MARGIN),
                           device=device)
-        space = SearchSpace(max_host_threads=args.max_host_threads)
+        space = SearchSpace(max_host_threads=args.max_host_threads,
+                            apply_delays=_delay_shares(args.delay_grid))
     except ValueError as e:
         raise UsageError(str(e))
     if not 0 < args.prune_ratio < 1:

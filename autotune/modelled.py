@@ -41,6 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
 
 from . import stepmodel as M
+from .space import apply_delay_for
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
                         quality_limit, set_quality_constraint, train_and_measure)
 
@@ -102,8 +103,7 @@ class QualityGrid:
         next boundary)."""
         if not self.overlap:
             return [None]
-        out = dict.fromkeys(max(1, min(ui, round(f * ui))) for f in self.apply_delays)
-        return [None if d == ui else d for d in out]
+        return list(dict.fromkeys(apply_delay_for(f, ui) for f in self.apply_delays))
 
     def points(self) -> list[dict[str, Any]]:
         """Validated settings (:data:`QUALITY_KEYS`) of every point, in grid order."""
@@ -271,7 +271,8 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         ran["n"] += 1
         s = json.loads(tr.user_attrs["grid_key"])
         head = (f"quality point topk_ratio={s['topk_ratio']:g} "
-                f"update_interval={s['update_interval']}: ")
+                f"update_interval={s['update_interval']}"
+                + (f" apply_delay={s['apply_delay']}" if s.get("apply_delay") else "") + ": ")
         if tr.state == TrialState.COMPLETE:
             loss = tr.user_attrs.get("heldout_loss")
             verdict = "feasible" if tr.user_attrs.get("feasible") else (

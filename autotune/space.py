@@ -19,6 +19,11 @@ Parameters (Optuna names):
   (= update_interval, e = 1);
 
 with ``search_host_lr=False`` the library default.
+
+* ``apply_delay_share`` categorical over ``apply_delays``, only when that is not ``(1.0,)``,
+  ``overlap`` is on and ``update_interval > 1``: ``apply_delay =``
+  :func:`apply_delay_for` ``(share, update_interval)`` (a share of 1.0 is the default
+  schedule, each result at the next boundary).
 """
 
 from __future__ import annotations
@@ -31,9 +36,19 @@ from zenflow_triton import ZenFlowConfig
 
 from .hardware import usable_cpus
 
-__all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES"]
+__all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES", "apply_delay_for"]
 
 HOST_LR_RULES = ("adaptive", "power")
+
+
+def apply_delay_for(share: float, update_interval: int) -> int | None:
+    """``ZenFlowConfig.apply_delay`` for a share of the update interval in (0, 1]:
+    ``round(share * update_interval)`` clamped to ``[1, update_interval]``, and None (the
+    default schedule, the same arithmetic) where that is the whole interval."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"an apply delay share is in (0, 1], got {share!r}")
+    d = max(1, min(update_interval, round(share * update_interval)))
+    return None if d == update_interval else d
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,10 @@ class SearchSpace:
     overlap: bool = True
     dense_params: tuple[str, ...] | None = None
     """Fixed for every trial: ZenFlow's dense set (name patterns); None = the library's."""
+    apply_delays: tuple[float, ...] = (1.0,)
+    """``apply_delay`` shares of the update interval to search (see :func:`apply_delay_for`);
+    the default, ``(1.0,)``, searches nothing: every trial keeps the default schedule.
+    Ignored without ``overlap``."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk_min <= self.topk_max <= 1.0:
@@ -64,6 +83,18 @@ class SearchSpace:
             raise ValueError("need 0 <= chunk_log2_min <= chunk_log2_max <= 40")
         if self.max_host_threads is not None and self.max_host_threads < 1:
             raise ValueError("max_host_threads must be >= 1")
+        shares = tuple(self.apply_delays)
+        if not shares or not all(isinstance(f, (int, float)) and 0.0 < f <= 1.0
+                                 for f in shares):
+            raise ValueError(f"apply_delays are shares of the update interval in (0, 1], "
+                             f"got {self.apply_delays!r}")
+        if len(set(shares)) != len(shares):
+            raise ValueError(f"apply_delays has repeats: {self.apply_delays!r}")
+        object.__setattr__(self, "apply_delays", tuple(float(f) for f in shares))
+
+    @property
+    def searches_apply_delay(self) -> bool:
+        return self.overlap and self.apply_delays != (1.0,)
 
     @property
     def host_threads_max(self) -> int:
@@ -87,9 +118,13 @@ class SearchSpace:
                 host_lr_scale = float(ui) ** trial.suggest_float("host_lr_exponent", 0.0, 1.0)
         else:
             host_lr_scale = ZenFlowConfig().host_lr_scale
+        extra: dict[str, Any] = {}
+        if self.searches_apply_delay and ui > 1:
+            share = trial.suggest_categorical("apply_delay_share", self.apply_delays)
+            extra["apply_delay"] = apply_delay_for(share, ui)
         return self.settings_from(topk_ratio=topk, update_interval=ui,
                                   select_interval=windows * ui, chunk_size=2 ** chunk_log2,
-                                  host_threads=threads, host_lr_scale=host_lr_scale)
+                                  host_threads=threads, host_lr_scale=host_lr_scale, **extra)
 
     def settings_from(self, **fields: Any) -> dict[str, Any]:
         fields.setdefault("overlap", self.overlap)
@@ -121,6 +156,9 @@ class SearchSpace:
             e = math.log(d.host_lr_multiplier(ui)) / math.log(ui) if ui > 1 else 0.0
             p["host_lr_rule"] = "power"
             p["host_lr_exponent"] = clip(e, 0.0, 1.0)
+        if self.searches_apply_delay and ui > 1:
+            # the default schedule (share 1.0); a space without it: its longest delay
+            p["apply_delay_share"] = max(self.apply_delays)
         return p
 
     def to_dict(self) -> dict[str, Any]:

@@ -417,7 +417,8 @@ def trial_summary(t: FrozenTrial) -> str:
     s = t.user_attrs.get("settings") or {}
     return (f"topk={s.get('topk_ratio', float('nan')):.3f} ui={s.get('update_interval')} "
             f"sel={s.get('select_interval')} chunk=2^{int(math.log2(s['chunk_size'])) if s.get('chunk_size') else '?'} "
-            f"thr={s.get('host_threads')} lr_scale={_fmt_scale(s.get('host_lr_scale'))}")
+            f"thr={s.get('host_threads')} lr_scale={_fmt_scale(s.get('host_lr_scale'))}"
+            + (f" delay={s['apply_delay']}" if s.get("apply_delay") is not None else ""))
 
 
 def _fmt_scale(v: Any) -> str:
@@ -432,7 +433,7 @@ def format_table(study: optuna.Study, top: int = 5) -> str:
     ft = feasible_trials(trials)[:top]
     head = (f"{'rank':>4} {'trial':>5} {unit + '/s':>11} {'vs AdamW':>8} {'loss':>7} "
             f"{'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5} {'chunk':>6} {'thr':>4} "
-            f"{'lr_scale':>8}")
+            f"{'lr_scale':>8} {'delay':>5}")
     lines = [head, "-" * len(head)]
     for i, t in enumerate(ft, 1):
         s = t.user_attrs["settings"]
@@ -441,7 +442,8 @@ def format_table(study: optuna.Study, top: int = 5) -> str:
             f"{i:>4} {t.number:>5} {t.value:>11,.0f} {rel:>7.2f}x {t.user_attrs['heldout_loss']:>7.4f} "
             f"{t.user_attrs['loss_limit']:>7.4f} {s['topk_ratio']:>6.3f} {s['update_interval']:>4} "
             f"{s['select_interval']:>5} {'2^' + str(int(math.log2(s['chunk_size']))):>6} "
-            f"{s['host_threads']:>4} {_fmt_scale(s['host_lr_scale']):>8}")
+            f"{s['host_threads']:>4} {_fmt_scale(s['host_lr_scale']):>8} "
+            f"{s.get('apply_delay') or s['update_interval']:>5}")
     if not ft:
         lines.append("  (no feasible trial)")
     n = {s: sum(t.state == s for t in trials) for s in TrialState}

@@ -24,7 +24,7 @@ from autotune import study as S
 from autotune import hardware
 from autotune.objective import (CONSTRAINT_ATTR, Objective, TuneSettings, is_feasible,
                                 measure_reference, quality_limit, DEFAULT_LOSS_MARGIN)
-from autotune.space import SearchSpace
+from autotune.space import SearchSpace, apply_delay_for
 from autotune.workload import Workload, build_workload, tiny_lm
 from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer
 from zenflow_triton.host import HostAdamW
@@ -105,9 +105,69 @@ def test_space_defaults_are_the_library_defaults():
         assert s["host_lr_scale"] == pytest.approx(d.effective_host_lr_scale, rel=1e-12)
 
 
+@pytest.mark.parametrize("share, ui, delay", [(1.0, 4, None), (0.5, 4, 2), (0.25, 4, 1),
+                                              (0.75, 8, 6), (0.5, 2, 1), (0.25, 2, 1),
+                                              (0.5, 1, None), (0.3, 16, 5)])
+def test_apply_delay_for_rounds_a_share_into_the_interval(share, ui, delay):
+    assert apply_delay_for(share, ui) == delay
+    ZenFlowConfig(update_interval=ui, apply_delay=delay)  # valid
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5, float("nan")])
+def test_apply_delay_for_rejects_a_share_outside_0_1(share):
+    with pytest.raises(ValueError, match="share is in \\(0, 1\\]"):
+        apply_delay_for(share, 4)
+
+
+def test_space_searches_apply_delay_only_when_asked():
+    plain = SearchSpace(max_host_threads=1)
+    searching = SearchSpace(max_host_threads=1, apply_delays=(1.0, 0.5, 0.25))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    seen = set()
+    for _ in range(120):
+        trial = study.ask()
+        s = plain.suggest(trial)
+        assert "apply_delay" not in s and "apply_delay_share" not in trial.params
+        study.tell(trial, 0.0)
+        trial = study.ask()
+        s = searching.suggest(trial)
+        cfg = ZenFlowConfig(**s)
+        ui = cfg.update_interval
+        if ui == 1:  # one step of delay is the only schedule: nothing to ask
+            assert "apply_delay_share" not in trial.params and "apply_delay" not in s
+        else:
+            share = trial.params["apply_delay_share"]
+            assert s["apply_delay"] == apply_delay_for(share, ui)
+            assert 1 <= cfg.effective_apply_delay <= ui
+            seen.add((ui, cfg.effective_apply_delay))
+        study.tell(trial, 0.0)
+    assert any(d < ui for ui, d in seen) and any(d == ui for ui, d in seen)
+    # without overlap there is no delay to search
+    no_overlap = SearchSpace(max_host_threads=1, overlap=False, apply_delays=(1.0, 0.5))
+    study = optuna.create_study()
+    study.enqueue_trial({"update_interval": 4})
+    trial = study.ask()
+    s = no_overlap.suggest(trial)
+    assert s["update_interval"] == 4
+    assert "apply_delay_share" not in trial.params and ZenFlowConfig(**s).apply_delay is None
+
+
+def test_space_defaults_keep_the_default_apply_delay():
+    d = ZenFlowConfig()
+    # with 1.0 among the shares: the default schedule; without: the longest delay offered
+    for shares, delay in [((0.25, 1.0, 0.5), None),
+                          ((0.5, 0.25), apply_delay_for(0.5, d.update_interval))]:
+        space = SearchSpace(max_host_threads=1, apply_delays=shares)
+        study = optuna.create_study()
+        study.enqueue_trial(space.defaults_params())
+        assert space.suggest(study.ask()).get("apply_delay") == delay
+
+
 @pytest.mark.parametrize("kw", [dict(topk_min=0.0), dict(topk_max=1.5),
                                 dict(topk_min=0.5, topk_max=0.1), dict(update_interval_max=0),
-                                dict(select_windows_min=0), dict(max_host_threads=0)])
+                                dict(select_windows_min=0), dict(max_host_threads=0),
+                                dict(apply_delays=()), dict(apply_delays=(0.0,)),
+                                dict(apply_delays=(1.0, 1.5)), dict(apply_delays=(0.5, 0.5))])
 def test_space_rejects_invalid_ranges(kw):
     with pytest.raises(ValueError):
         SearchSpace(**kw)
@@ -292,6 +352,31 @@ def test_tiny_study_end_to_end_saves_a_profile_from_profile_loads(dirs):
     assert {"history.png", "quality.png"} <= names
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_study_searching_the_apply_delay_saves_it_in_the_profile(dirs):
+    url = f"sqlite:///{dirs / 'delay.db'}"
+    ts = TuneSettings(workload="small", steps=8, skip_steps=2, lr=3e-3, loss_margin=1.0)
+    space = SearchSpace(max_host_threads=1, apply_delays=(0.5,))
+    out = S.run_study(study_name="delay", factory=small_lm, ts=ts, space=space, n_trials=2,
+                      storage_url=url, profile_name="delay-prof", log=lambda m: None)
+    first = out.study.get_trials()[0]  # the library defaults, with the delay offered
+    ui = first.user_attrs["settings"]["update_interval"]
+    assert ui > 1 and first.params["apply_delay_share"] == 0.5
+    assert first.user_attrs["settings"]["apply_delay"] == apply_delay_for(0.5, ui)
+    assert f"delay={apply_delay_for(0.5, ui)}" in S.trial_summary(first)
+    prof = load_profile("delay-prof")
+    assert prof.settings == out.best.user_attrs["settings"]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 4))
+    opt = ZenFlowOptimizer.from_profile("delay-prof", model.parameters(), lr=1e-4)
+    try:
+        assert opt.config.apply_delay == prof.settings.get("apply_delay")
+        assert opt.config.effective_apply_delay == (
+            apply_delay_for(0.5, opt.config.update_interval) or opt.config.update_interval)
+    finally:
+        opt.close()
+    assert "delay" in S.format_table(out.study)
+
 
 
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
