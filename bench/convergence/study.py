@@ -84,24 +84,34 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, optimizers: list[str] | None = None) -> None:
+    """Held-out loss against step, a panel per workload (two to a row), a line per optimizer
+    (``optimizers``: these only, in this order; default: every one in ``rows``)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = list(optimizers) if optimizers else list(OPTIMIZERS)
+    rows = [r for r in rows if r["optimizer"] in names]
     present = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
-    fig, axes = plt.subplots(1, len(present), figsize=(6 * len(present), 4.2), squeeze=False)
-    for ax, wl in zip(axes[0], present):
-        for name in OPTIMIZERS:
+    if not present:
+        raise SystemExit("--plot: no run of the chosen optimizers to plot")
+    ncol = min(2, len(present))
+    nrow = -(-len(present) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(7 * ncol, 4.4 * nrow), squeeze=False)
+    for ax in axes.flat[len(present):]:
+        ax.set_visible(False)
+    for ax, wl in zip(axes.flat, present):
+        for name in names:
             mine = [r for r in rows if r["workload"] == wl and r["optimizer"] == name]
             if not mine:
                 continue
             steps = [p["step"] for p in mine[0]["curve"]]
             mean = [statistics.mean(r["curve"][i]["loss"] for r in mine
                                     if i < len(r["curve"])) for i in range(len(steps))]
-            ax.plot(steps, mean, marker="o", ms=3,
+            ax.plot(steps, mean, marker="o", ms=3, color=f"C{names.index(name) % 10}",
                     label=f"{name} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
-        ax.set_title(f"{wl}: held-out loss (mean over each optimizer's seeds)")
+        ax.set_title(f"{wl}: held-out loss (mean of each optimizer's seeds)")
         ax.set_xlabel("step")
         ax.set_ylabel("held-out loss (nats)")
         ax.grid(alpha=0.3)
@@ -125,6 +135,8 @@ def main(argv=None) -> int:
                     help="torch threads (default: torch's); 1 lets two studies share 2 cores")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--plot-optimizers", nargs="+", default=None, choices=list(OPTIMIZERS),
+                    help="the lines of --plot (default: every optimizer with a run)")
     ap.add_argument("--report", default=None, help="print the table of a --json file")
     args = ap.parse_args(argv)
     if args.threads:
@@ -160,7 +172,7 @@ def main(argv=None) -> int:
                         json.dump(rows, f, indent=1)
     print(report(rows))
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.plot_optimizers)
         print(f"\nplot: {args.plot}")
     if not args.report:
         print(f"\nwall time of this invocation: {time.perf_counter() - t0:.0f} s")
