@@ -207,16 +207,22 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def float_list(s: str, what: str, usage: type[Exception]) -> tuple[float, ...]:
+    """A comma-separated list of numbers given to option ``what``; ``usage`` raised if not."""
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise usage(f"{what}: expected comma-separated numbers, got {s!r}") from None
+    if not vals:
+        raise usage(f"{what}: empty")
+    return vals
+
+
 def _delay_shares(text: str | None) -> tuple[float, ...]:
     """``--delay-grid`` of the measured objective: distinct shares, in the order given."""
     if not text:
         return (1.0,)
-    try:
-        shares = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--delay-grid: expected comma-separated numbers, got {text!r}") from None
-    if not shares:
-        raise ValueError("--delay-grid: empty")
+    shares = float_list(text, "--delay-grid", ValueError)
     bad = [f for f in shares if not 0.0 < f <= 1.0]
     if bad:
         raise ValueError(f"--delay-grid: shares of the update interval are in (0, 1], got "

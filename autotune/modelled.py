@@ -41,7 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
 
 from . import stepmodel as M
-from .space import apply_delay_for
+from .space import apply_delay_for, delay_steps
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
                         quality_limit, set_quality_constraint, train_and_measure)
 
@@ -128,11 +128,6 @@ class QualityGrid:
                                             f"{e}") from None
                     out.append({key: getattr(cfg, key) for key in QUALITY_KEYS})
         return out
-
-
-def _delay(settings: dict[str, Any]) -> int:
-    """A point's apply delay in steps (None, or none stored: its update interval)."""
-    return settings.get("apply_delay") or settings["update_interval"]
 
 
 def point_key(settings: dict[str, Any]) -> str:
@@ -531,7 +526,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
         "grid": {
             "topk_ratios": sorted({r.point.settings["topk_ratio"] for r in out.rows}),
             "update_intervals": sorted({r.point.settings["update_interval"] for r in out.rows}),
-            "apply_delays": sorted({_delay(r.point.settings) for r in out.rows}),
+            "apply_delays": sorted({delay_steps(r.point.settings) for r in out.rows}),
             "points": len(out.rows),
             "feasible": sum(r.point.feasible for r in out.rows),
             "fit": sum(r.fits for r in out.rows),
@@ -575,7 +570,7 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
             f"{i:>4} {r.throughput:>10,.0f} {zo_t / r.step_time_s:>10.2f}x "
             f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
             f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
-            f"{s['update_interval']:>4} {s['select_interval']:>5} {_delay(s):>5}")
+            f"{s['update_interval']:>4} {s['select_interval']:>5} {delay_steps(s):>5}")
     if not out.eligible:
         lines.append("  (no feasible grid point fits)")
     ref = store.reference
@@ -610,16 +605,6 @@ def guard_line(store: QualityStore) -> str:
 # ---- the CLI (``zenflow-tune run --objective modelled``) ------------------------------------
 MEASURED_ONLY = ("quick", "n_trials", "timeout", "max_host_threads")
 """``run`` options that mean nothing to the modelled objective (its grid is fixed)."""
-
-
-def _float_list(s: str, what: str, usage: type[Exception]) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise usage(f"{what}: expected comma-separated numbers, got {s!r}") from None
-    if not vals:
-        raise usage(f"{what}: empty")
-    return vals
 
 
 def default_save_name(profile: str, model: str, gpus: int, tokens: int | None) -> str:
@@ -681,18 +666,20 @@ def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
                                           "device") if getattr(args, k) is not None}
     if "steps" in over and "skip_steps" not in over:
         over["skip_steps"] = min(TuneSettings().skip_steps, max(0, over["steps"] // 5))
+    from .cli import float_list
+
     try:
         _, ts = default_quality_settings(workload=args.workload, **over)
         grid_kw: dict[str, Any] = {}
         if args.topk_grid:
-            grid_kw["topk_ratios"] = _float_list(args.topk_grid, "--topk-grid", usage)
+            grid_kw["topk_ratios"] = float_list(args.topk_grid, "--topk-grid", usage)
         if args.interval_grid:
-            ints = _float_list(args.interval_grid, "--interval-grid", usage)
+            ints = float_list(args.interval_grid, "--interval-grid", usage)
             if any(v != int(v) for v in ints):
                 raise usage(f"--interval-grid: expected integers, got {args.interval_grid!r}")
             grid_kw["update_intervals"] = tuple(int(v) for v in ints)
         if args.delay_grid:
-            grid_kw["apply_delays"] = _float_list(args.delay_grid, "--delay-grid", usage)
+            grid_kw["apply_delays"] = float_list(args.delay_grid, "--delay-grid", usage)
         grid = QualityGrid(**grid_kw)
         grid.points()
     except (ValueError, ModelledError) as e:

@@ -36,7 +36,8 @@ from zenflow_triton import ZenFlowConfig
 
 from .hardware import usable_cpus
 
-__all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES", "apply_delay_for"]
+__all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES", "apply_delay_for",
+           "delay_steps"]
 
 HOST_LR_RULES = ("adaptive", "power")
 
@@ -49,6 +50,12 @@ def apply_delay_for(share: float, update_interval: int) -> int | None:
         raise ValueError(f"an apply delay share is in (0, 1], got {share!r}")
     d = max(1, min(update_interval, round(share * update_interval)))
     return None if d == update_interval else d
+
+
+def delay_steps(settings: dict[str, Any]) -> int:
+    """The apply delay in steps of a settings dict (``apply_delay`` None, or absent: the
+    update interval, as ``ZenFlowConfig.effective_apply_delay``)."""
+    return settings.get("apply_delay") or settings["update_interval"]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from zenflow_triton.profiles import Profile, platform_dir, save_profile
 from .hardware import detect, host_adam_settings, measure_host_adam, versions
 from .objective import (Objective, TuneSettings, constraints_func,
                         is_feasible, measure_reference)
-from .space import SearchSpace
+from .space import SearchSpace, delay_steps
 
 __all__ = ["DATA_DIR_ENV", "data_dir", "default_storage_url", "make_storage", "open_study",
            "SlowTrialPruner", "StudyMismatchError", "run_study", "feasible_trials",
@@ -443,7 +443,7 @@ def format_table(study: optuna.Study, top: int = 5) -> str:
             f"{t.user_attrs['loss_limit']:>7.4f} {s['topk_ratio']:>6.3f} {s['update_interval']:>4} "
             f"{s['select_interval']:>5} {'2^' + str(int(math.log2(s['chunk_size']))):>6} "
             f"{s['host_threads']:>4} {_fmt_scale(s['host_lr_scale']):>8} "
-            f"{s.get('apply_delay') or s['update_interval']:>5}")
+            f"{delay_steps(s):>5}")
     if not ft:
         lines.append("  (no feasible trial)")
     n = {s: sum(t.state == s for t in trials) for s in TrialState}

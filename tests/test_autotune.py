@@ -378,7 +378,6 @@ def test_a_study_searching_the_apply_delay_saves_it_in_the_profile(dirs):
     assert "delay" in S.format_table(out.study)
 
 
-
 def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     from autotune import plots
 

@@ -102,14 +102,14 @@ def plot(rows: list[dict], path: str, optimizers: list[str] | None = None) -> No
     for ax in axes.flat[len(present):]:
         ax.set_visible(False)
     for ax, wl in zip(axes.flat, present):
-        for name in names:
+        for i, name in enumerate(names):
             mine = [r for r in rows if r["workload"] == wl and r["optimizer"] == name]
             if not mine:
                 continue
             steps = [p["step"] for p in mine[0]["curve"]]
             mean = [statistics.mean(r["curve"][i]["loss"] for r in mine
                                     if i < len(r["curve"])) for i in range(len(steps))]
-            ax.plot(steps, mean, marker="o", ms=3, color=f"C{names.index(name) % 10}",
+            ax.plot(steps, mean, marker="o", ms=3, color=f"C{i % 10}",
                     label=f"{name} ({len(mine)} seed{'s' if len(mine) > 1 else ''})")
         ax.set_title(f"{wl}: held-out loss (mean of each optimizer's seeds)")
         ax.set_xlabel("step")
