@@ -47,6 +47,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # ... and a reselection every second window (instead of every 16th)
     "zenflow-aggressive-adaptive-dense-sel2": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                    select_interval=16),
+    # the least device memory (what fits an 8B model on a 40 GB card): the window summed on
+    # the host in bf16, every matrix split (no dense set)
+    "zenflow-lean": dict(host_lr_scale="adaptive", accumulate_on="host",
+                         accumulator_dtype="bfloat16", **_SPLIT),
 }
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 
