@@ -14,7 +14,7 @@
     memory, from a *device* tensor, not marked ``non_blocking``. A device tensor is one on
     a non-CPU device or, on a CPU-only run (where "device" is the params' side, by role),
     one whose memory is a param's, a gradient's or device-side optimizer state
-    (``partition.state_side``), or the result of an op on the stepping thread that read
+    (``state.state_side``), or the result of an op on the stepping thread that read
     such a tensor (a ``.to(dtype)`` of a gradient, a ``cat`` of its columns);
   - every ``torch.tensor(..., device=...)`` with a non-CPU device (a host-to-device copy
     from pageable memory);
@@ -311,8 +311,8 @@ class counting:
 
 def device_tensors(opt) -> list[torch.Tensor]:
     """What stands for device memory on a CPU-only run: every param, its gradient and its
-    device-side state (``partition.state_side``)."""
-    from zenflow_triton.partition import state_side
+    device-side state (``state.state_side``)."""
+    from zenflow_triton.state import state_side
 
     out = []
     for group in opt.param_groups:

@@ -250,7 +250,7 @@ def test_state_dict_gathers_host_halves_in_bounded_batches(monkeypatch):
     """``state_format.gather_host_halves`` gathers at most GATHER_BYTES of rows a call (one
     tensor larger than that alone), so the collective's device never holds every host half
     at once; the gathered state dict is the one an unbatched gather gives."""
-    from zenflow_triton import state_format
+    from zenflow_triton.checkpoint import state_dict as state_format
 
     class RecordingShard:  # one process's gather (rows as they are), sizes recorded
         device = torch.device("cpu")

@@ -207,7 +207,7 @@ def test_reported_device_bytes_are_what_cuda_allocated(cfg):
     share of the allocation after 9 steps (model and grads subtracted, copies finished) is
     what it reports, within 2 MiB (allocator rounding, the index tables of a launch). Host
     state is pageable and every link buffer the optimizer reports as such is pinned."""
-    from zenflow_triton.partition import state_side
+    from zenflow_triton.state import state_side
 
     torch.manual_seed(0)
     model = torch.nn.ModuleList([torch.nn.Linear(1024, 1024, bias=False)

@@ -94,7 +94,7 @@ def _collectives_scenario(rank: int) -> dict:
     """The collective waits of each step (``RowShard._wait``, which every wait on a
     collective of the library goes through), and the host-blocking calls the step counter
     sees, over 8 steps: windows of 2, reselection every 4."""
-    from zenflow_triton.shard import RowShard
+    from zenflow_triton.dist.shard import RowShard
 
     from .counting import count_step
 

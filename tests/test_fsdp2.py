@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zenflow_triton import NonFiniteGradientError, ZenFlowOptimizer
-from zenflow_triton.fsdp import by_rows
-from zenflow_triton.partition import state_side
+from zenflow_triton.dist.fsdp import by_rows
+from zenflow_triton.state import state_side
 
 from . import test_distributed as td
 from .helpers import assert_trajectories_close
@@ -484,7 +484,7 @@ def test_cpu_offloaded_fsdp2_params_are_refused_with_the_reason():
 
     from torch.distributed.tensor import Shard
 
-    from zenflow_triton.fsdp import check_param
+    from zenflow_triton.dist.fsdp import check_param
 
     class DTensor(SimpleNamespace):  # what check_param reads of one
         pass

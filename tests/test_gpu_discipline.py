@@ -221,7 +221,8 @@ def test_counting_sees_syncs_in_library_code_only():
     back with .cpu() and the leaving columns with a blocking copy, in library code: both
     counted; a test's own .item() is not the library's and is not counted."""
     from zenflow_triton.kernels import get_ops
-    from zenflow_triton.partition import init_matrix_state, migrate
+    from zenflow_triton.state import init_matrix_state
+    from zenflow_triton.columns.migration import migrate
     from zenflow_triton.transfer import Link
 
     from .counting import counting
@@ -234,7 +235,7 @@ def test_counting_sees_syncs_in_library_code_only():
         torch.ones(()).item()  # the test's, not the library's
         migrate(p, st, torch.tensor([2, 4]), beta1=0.9, beta2=0.999, ops=get_ops("torch"),
                 link=link)
-    assert any(".cpu() at partition.py" in s for s in c.sync_sites), c.sync_sites
+    assert any(".cpu() at migration.py" in s for s in c.sync_sites), c.sync_sites
     assert "a blocking transfer (Link)" in c.sync_sites
     assert c.syncs == 2, c.sync_sites
 
@@ -330,7 +331,7 @@ def test_an_extra_blocking_copy_per_param_is_caught(monkeypatch):
     """Guards the counter on a real step: a blocking ``.to("cpu")`` of each matrix's gradient
     in the device half (injected into ``DeviceHalf._entries``, once per matrix per step, as
     library code) adds exactly one counted sync per matrix to every counted step."""
-    from zenflow_triton.device_half import DeviceHalf
+    from zenflow_triton.device import DeviceHalf
 
     ns = library_code('''
 def entries(self, p, g, *args, **kwargs):

@@ -78,7 +78,7 @@ def test_defaults():
 def test_stats_count_every_state_tensor(mode):
     """The reported bytes are at least what the state dicts hold, side by side: a tensor the
     count missed would show here."""
-    from zenflow_triton.partition import state_side
+    from zenflow_triton.state import state_side
 
     model = model16()
     with ZenFlowOptimizer(model.parameters(), lr=1e-3, **MODES[mode]) as opt:

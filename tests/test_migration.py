@@ -6,7 +6,9 @@ import torch
 
 from zenflow_triton.config import ZenFlowConfig
 from zenflow_triton.kernels import get_ops
-from zenflow_triton.partition import init_matrix_state, migrate, select_columns
+from zenflow_triton.state import init_matrix_state
+from zenflow_triton.columns.migration import migrate
+from zenflow_triton.columns.selection import select_columns
 from zenflow_triton.transfer import Link
 
 B1, B2 = 0.9, 0.99
@@ -105,7 +107,7 @@ def test_selection_ties_go_to_lower_index():
 
 
 def test_min_one_column_when_ratio_positive():
-    from zenflow_triton.partition import num_selected
+    from zenflow_triton.columns.selection import num_selected
     assert num_selected(7, 0.01) == 1
     assert num_selected(7, 0.0) == 0
     # round(topk_ratio * cols), halves to even as Python's round() and torch.round do

@@ -31,7 +31,8 @@ from typing import Iterable
 import torch
 
 from .config import DEFAULT_MIN_OFFLOAD_NUMEL
-from .partition import num_selected, view2d
+from .columns.selection import num_selected
+from .columns.layout import view2d
 
 
 @dataclass

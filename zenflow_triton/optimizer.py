@@ -37,24 +37,27 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .config import ZenFlowConfig, check_hyper
-from .faults import OptimizerFailedError, StepGuard
+from .guards.faults import OptimizerFailedError, StepGuard
 from .host import HostAdamW, HostPipeline, HostWorker, HostWorkerError
-from .finite_watch import FiniteWatch
-from .fsdp import (LocalState, is_dtensor, local, localize, mesh_group, state_as_dtensors,
-                   state_as_local)
-from .inputs import NonFiniteGradientError, Work, check_params, collect
-from .device_half import DeviceHalf
+from .guards.finite_check import FiniteWatch
+from .dist.fsdp import (LocalState, is_dtensor, local, localize, mesh_group, state_as_dtensors,
+                        state_as_local)
+from .guards.inputs import NonFiniteGradientError, Work, check_params, collect
+from .device import DeviceHalf
 from .kernels import KernelOps, get_ops, resolve_backend
 from .lifecycle import HostThreads
-from .memory import device_owned_fraction, memory_bytes
-from .partition import (MATRIX, classify, init_matrix_state, init_small_state, migrate_many,
-                        plan_selection, view2d)
-from .shard import RowShard, ShardError
-from .state_format import (SD_KEY, SD_VERSION, adamw_state_dict, check_group_flags,
-                           config_change, gather_host_halves, misplaced, pack, read,
-                           restore_param_state)
+from .stats import device_owned_fraction, memory_bytes
+from .state import MATRIX, classify, init_matrix_state, init_small_state
+from .columns.migration import migrate_many
+from .columns.selection import plan_selection
+from .columns.layout import view2d
+from .dist.shard import RowShard, ShardError
+from .checkpoint.state_dict import (SD_KEY, SD_VERSION, adamw_state_dict, check_group_flags,
+                                    config_change, gather_host_halves, misplaced, pack, read,
+                                    restore_param_state)
 from .transfer import Link
-from .windows import apply_results, close_window, share_adaptive_sums
+from .host.apply import apply_results
+from .host.window import close_window, share_adaptive_sums
 
 
 class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
@@ -537,13 +540,13 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         """Save through ``torch.distributed.checkpoint``, each rank writing only its rows of
         the host halves (collective); :meth:`load_sharded` reads it into any world size.
         See ``zenflow_triton.checkpoint``."""
-        from .checkpoint import save_sharded
+        from .checkpoint.sharded import save_sharded
         save_sharded(self._state_dict(gather=False), self._params(), self._shard,
                      checkpoint_id, **dcp_kwargs)
 
     def load_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
         """Load a :meth:`save_sharded` checkpoint (collective; any world size)."""
-        from .checkpoint import read_sharded
+        from .checkpoint.sharded import read_sharded
         self.load_state_dict(read_sharded(self._params(), self._shard,
                                           self.config.accumulate_on, checkpoint_id,
                                           **dcp_kwargs))

@@ -44,7 +44,8 @@ from autotune.objective import (TuneSettings, measure_reference, quality_limit, 
                                 train_and_measure)
 from autotune.workload import load_workload_factory  # noqa: E402
 from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer  # noqa: E402
-from zenflow_triton import partition as P  # noqa: E402
+from zenflow_triton import state as P  # noqa: E402
+from zenflow_triton.columns import layout as L, selection as S  # noqa: E402
 
 SETTINGS = {"defaults": dict(topk_ratio=0.1, update_interval=4, host_lr_scale="adaptive"),
             "aggressive": dict(topk_ratio=0.02, update_interval=8, host_lr_scale="adaptive")}
@@ -91,7 +92,7 @@ def with_sign_steps(opt: ZenFlowOptimizer, c: float) -> None:
                             or st.get("kind") != P.MATRIX or not st.get("selected")):
                         continue
                     cols = st["host_idx"]
-                    p2d, g2d = P.view2d(p.detach()), P.view2d(p.grad, like=p)
+                    p2d, g2d = L.view2d(p.detach()), L.view2d(p.grad, like=p)
                     p2d[:, cols] -= group["lr"] * c * torch.sign(g2d[:, cols])
         return real(closure)
 
@@ -111,21 +112,21 @@ class Rotating:
             return out, {d: link.to_host(f).numpy() for d, f in also.items()}
         moves = []
         for group, p, g in items:
-            g2d = P.view2d(g, like=p)
+            g2d = L.view2d(g, like=p)
             cols = g2d.shape[1]
-            k = P.num_selected(cols, cfg.topk_ratio)
+            k = S.num_selected(cols, cfg.topk_ratio)
             b1, b2 = group["betas"]
             if k in (0, cols):
-                moves.append(P.Move(p, state[p], np.arange(k, dtype=np.int64), b1, b2))
+                moves.append(S.Move(p, state[p], np.arange(k, dtype=np.int64), b1, b2))
                 continue
             age = self.age.setdefault(id(p), np.zeros(cols))
-            top = P.select_columns(ops.column_scores(g2d, cfg.score), k - k // 2).cpu().numpy()
+            top = S.select_columns(ops.column_scores(g2d, cfg.score), k - k // 2).cpu().numpy()
             rest = np.setdiff1d(np.arange(cols), top)
             old = rest[np.argsort(-age[rest], kind="stable")[:k // 2]]
             idx = np.sort(np.concatenate([top, old])).astype(np.int64)
             age += 1
             age[idx] = 0
-            moves.append(P.Move(p, state[p], idx, b1, b2))
+            moves.append(S.Move(p, state[p], idx, b1, b2))
         return moves
 
 

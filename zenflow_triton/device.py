@@ -12,7 +12,8 @@ import torch
 
 from .config import ZenFlowConfig
 from .kernels import KernelOps
-from .partition import SMALL, new_accumulator, view2d
+from .state import SMALL, new_accumulator
+from .columns.layout import view2d
 
 
 class DeviceHalf:

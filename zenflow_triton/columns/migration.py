@@ -1,147 +1,18 @@
-"""Who owns what: device-owned vs host-owned columns of each matrix param.
-
-A matrix param's optimizer state (a plain dict in ``optimizer.state[p]``, so it shows in
-``state_dict``) holds two compact halves:
-
-* ``device_idx`` [k] sorted, ``device_m``/``device_v`` fp32 [rows, k] on the param's device,
-  ``device_master`` fp32 [rows, k] when the param is bf16/fp16, ``device_step``;
-* ``host_idx`` [n] sorted (the complement), ``host_master``/``host_m``/``host_v`` fp32
-  [rows, n] in host memory, ``host_step``.
-
-Each half has one Adam step count. Migration moves a column's fp32 master and moments
-between halves and rescales the moments so their bias-corrected values are unchanged under
-the destination's step count: m' = m * (1 - b1**s_dst) / (1 - b1**s_src), same for v with b2.
-"""
+"""Migration: columns that change owner at a reselection carry their fp32 master and Adam
+moments to the other half, rescaled so their bias-corrected values are unchanged under the
+destination's step count: m' = m * (1 - b1**s_dst) / (1 - b1**s_src), same for v with b2."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from .config import ZenFlowConfig
-from .kernels import KernelOps
-from .transfer import Link, pinned, state_zeros
-
-MATRIX = "matrix"
-SMALL = "small"
-
-
-def classify(p: torch.Tensor, cfg: ZenFlowConfig, name: str | None = None) -> str:
-    """MATRIX params are split by columns; SMALL ones are device-owned entirely: 1-D params,
-    matrices under ``min_offload_numel`` elements, and the dense set (a param whose ``name``
-    matches ``dense_params``)."""
-    if p.dim() < 2 or p.numel() < cfg.min_offload_numel or cfg.is_dense(name):
-        return SMALL
-    return MATRIX
-
-
-def shape2d(p: torch.Tensor) -> tuple[int, int]:
-    rows = p.shape[0]
-    return rows, p.numel() // rows if rows else math.prod(p.shape[1:])
-
-
-def memory_order(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s dims as the columns of its [rows, cols] view run: dim 0 (the rows) first, the
-    others outermost first in memory (by decreasing stride, ties in dim order). The identity
-    for a contiguous tensor; for a ``channels_last`` conv weight [O, I, kh, kw] it is
-    (0, 2, 3, 1), so each row's columns are contiguous in memory."""
-    if t.dim() <= 2 or t.is_contiguous():
-        return tuple(range(t.dim()))
-    rest = sorted(range(1, t.dim()), key=lambda d: (-t.stride(d), d))
-    return (0, *rest)
-
-
-def view2d(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
-    """The [rows, cols] view of a param (a view: writes land in the param), or of a grad or
-    state tensor laid out ``like`` its param (the param's column order: :func:`memory_order`;
-    a copy when its own layout differs, which only reading needs)."""
-    rows = t.shape[0]
-    order = memory_order(like if like is not None else t)
-    if order != tuple(range(t.dim())):
-        t = t.permute(order)
-    return t.reshape(rows, t.numel() // rows if rows else math.prod(t.shape[1:]))
-
-
-def splittable(p: torch.Tensor) -> bool:
-    """Whether :func:`view2d` of ``p`` is a view of its memory (the device half writes into
-    it): dense layouts whose rows are the outermost dim (``channels_last`` included), and
-    2-D params of any strides."""
-    try:
-        p.permute(memory_order(p)).view(p.shape[0], math.prod(p.shape[1:]))
-    except RuntimeError:
-        return False
-    return True
-
-
-def num_selected(cols: int, topk_ratio: float) -> int:
-    """k = round(topk_ratio * cols); at least 1 when topk_ratio > 0, none at 0."""
-    if topk_ratio <= 0.0:
-        return 0
-    return min(cols, max(1, round(topk_ratio * cols)))
-
-
-def select_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted indices of the k largest scores; ties go to the lower index (stable sort), so
-    every rank given the same scores picks the same set."""
-    if k == 0:
-        return torch.empty(0, dtype=torch.long, device=scores.device)
-    order = torch.sort(scores, descending=True, stable=True).indices[:k]
-    return torch.sort(order).values
-
-
-def plan_selection(items, state: dict, ops: KernelOps, link: Link,
-                   cfg: ZenFlowConfig, shard=None,
-                   also: dict[torch.device, torch.Tensor] | None = None):
-    """A :class:`Move` per ``(group, param, grad)`` of ``items``: the top ``k`` columns by
-    this gradient's scores, scored and picked on each param's device, the picks brought to
-    the host in one copy per device (a few host syncs whatever the number of params).
-    ``shard``: where each rank holds some rows of the params (FSDP2), its column scores are
-    summed over the ranks first (``RowShard.sum_rows``), so every rank picks alike.
-
-    ``also``: per device, a 1-D tensor that must come to the host too (the NaN/inf flags of
-    the step): it rides in the same copy as that device's picks (its own copy on a device
-    without picks). Returns ``(moves, {device: its values as a numpy array})``; without
-    ``also``, the moves alone."""
-    picks: dict[torch.device, list] = {}
-    moves = []
-    ranked = []
-    for group, p, g in items:
-        g2d = view2d(g, like=p)
-        cols = g2d.shape[1]
-        k = num_selected(cols, cfg.topk_ratio)
-        beta1, beta2 = group["betas"]
-        if k in (0, cols):  # nothing to rank
-            moves.append(Move(p, state[p], np.arange(k, dtype=np.int64), beta1, beta2))
-            continue
-        ranked.append((p, g, k, beta1, beta2, ops.column_scores(g2d, cfg.score)))
-    scores = [r[-1] for r in ranked]
-    if shard is not None:
-        scores = shard.sum_rows(scores, "an all-reduce of the column scores")
-    for (p, g, k, beta1, beta2, _), s in zip(ranked, scores):
-        picks.setdefault(g.device, []).append((p, select_columns(s, k), beta1, beta2))
-    riders = dict(also or {})
-    brought = {}
-    for device, device_picks in picks.items():
-        parts = [idx for _, idx, _, _ in device_picks]
-        rider = riders.pop(device, None)
-        if rider is not None:
-            parts.append(rider.to(parts[0].dtype))
-        flat = link.to_host(torch.cat(parts)).numpy()
-        off = 0
-        for p, idx, beta1, beta2 in device_picks:
-            n = idx.numel()
-            moves.append(Move(p, state[p], flat[off:off + n], beta1, beta2))
-            off += n
-        if rider is not None:
-            brought[device] = flat[off:]
-    for device, rider in riders.items():  # a device with flags and no picks
-        brought[device] = link.to_host(rider).numpy()
-    return moves if also is None else (moves, brought)
-
+from ..kernels import KernelOps
+from ..transfer import Link, pinned
+from .layout import shape2d, view2d
+from .selection import Move
 
 def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[float, float]:
     """Factors that keep m/(1-b1**s) and v/(1-b2**s) unchanged from s_src to s_dst."""
@@ -151,87 +22,12 @@ def moment_scales(beta1: float, beta2: float, s_src: int, s_dst: int) -> tuple[f
             (1.0 - beta2 ** s_dst) / (1.0 - beta2 ** s_src))
 
 
-def init_matrix_state(p: torch.Tensor, link: Link,
-                      moment_dtype: torch.dtype = torch.float32,
-                      host_rows: tuple[int, int] | None = None) -> dict:
-    """Every column host-owned, zero moments (host ones in ``moment_dtype``), fp32 master
-    copied from the param. ``host_rows``: the rows ``[r0, r1)`` of the host half this rank
-    keeps (data parallelism, see ``shard``); all of them by default."""
-    rows, cols = shape2d(p)
-    dev = p.device
-    r0, r1 = host_rows if host_rows is not None else (0, rows)
-    return {
-        "kind": MATRIX,
-        "selected": False,
-        "device_idx": torch.empty(0, dtype=torch.long, device=dev),
-        "device_m": torch.zeros(rows, 0, device=dev),
-        "device_v": torch.zeros(rows, 0, device=dev),
-        **({"device_master": torch.zeros(rows, 0, device=dev)}
-           if p.dtype != torch.float32 else {}),
-        "device_step": 0,
-        "host_idx": torch.arange(cols, dtype=torch.long),
-        "host_master": link.to_host(view2d(p.detach())[r0:r1], dtype=torch.float32,
-                                    pin=False).contiguous(),
-        "host_m": state_zeros((r1 - r0, cols), moment_dtype),
-        "host_v": state_zeros((r1 - r0, cols), moment_dtype),
-        "host_step": 0,
-        "acc": None,  # made by the first step that accumulates (new_accumulator)
-        "acc_count": 0,
-        "host_pending": False,
-    }
-
-
-def init_small_state(p: torch.Tensor) -> dict:
-    """A small param's state: AdamW's zero moments on its device (and an fp32 master copied
-    from a low-precision param)."""
-    st = {"kind": SMALL, "step": 0,
-          "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-          "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-    if p.dtype != torch.float32:
-        st["master"] = p.detach().float().clone()
-    return st
-
-
-def new_accumulator(rows: int, n: int, device: torch.device, accumulate_on: str,
-                    dtype: torch.dtype = torch.float32):
-    """The window accumulator of ``n`` host-owned columns (fp32, zero): on the param's device,
-    or in pageable host memory (``accumulate_on="host"``: no copy reads it across the link).
-    Made only when a window accumulates (not in warm-up or one-step windows, which hand
-    their gradient over as it is), and dropped when a selection changes the split."""
-    if accumulate_on == "device":
-        return torch.zeros(rows, n, device=device, dtype=dtype)
-    return state_zeros((rows, n), dtype)
-
-
-STATE_SIDES = {"device_idx": "device", "device_m": "device", "device_v": "device",
-               "device_master": "device", "exp_avg": "device", "exp_avg_sq": "device",
-               "master": "device", "host_idx": "host", "host_master": "host",
-               "host_m": "host", "host_v": "host"}
-"""Which side holds each state tensor (by key); ``acc`` is where ``accumulate_on`` says."""
-
-
-def state_side(key: str, accumulate_on: str) -> str:
-    if key == "acc":
-        return accumulate_on
-    return STATE_SIDES[key]
-
-
 def migrate(p: torch.Tensor, st: dict, new_idx: torch.Tensor, *, beta1: float, beta2: float,
             ops: KernelOps, link: Link) -> int:
     """:func:`migrate_many` for one param; ``new_idx`` the new device-owned columns (any
     device, sorted)."""
     return migrate_many([Move(p, st, new_idx.cpu().numpy(), beta1, beta2)], ops=ops,
                         link=link)
-
-
-@dataclass
-class Move:
-    """One param's new selection: ``new_idx`` the sorted device-owned columns (host numpy)."""
-    p: torch.Tensor
-    st: dict
-    new_idx: np.ndarray
-    beta1: float
-    beta2: float
 
 
 def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link,

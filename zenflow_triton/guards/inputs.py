@@ -8,8 +8,9 @@ from typing import Callable
 
 import torch
 
-from .fsdp import check_param, is_dtensor, local
-from .partition import MATRIX, splittable
+from ..dist.fsdp import check_param, is_dtensor, local
+from ..state import MATRIX
+from ..columns.layout import splittable
 
 
 class NonFiniteGradientError(FloatingPointError):

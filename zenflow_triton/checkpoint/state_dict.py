@@ -19,10 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-from .config import ZenFlowConfig
-from .partition import MATRIX, SMALL, moment_scales, shape2d, state_side, view2d
-from .shard import ROW_SHARDED
-from .transfer import to_host_memory
+from ..config import ZenFlowConfig
+from ..state import MATRIX, SMALL, state_side
+from ..columns.migration import moment_scales
+from ..columns.layout import shape2d, view2d
+from ..dist.shard import ROW_SHARDED
+from ..transfer import to_host_memory
 
 SD_KEY = "zenflow"
 SD_VERSION = 1

@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 import torch
 
 from .config import ZenFlowConfig
-from .partition import MATRIX, SMALL, state_side
+from .state import MATRIX, SMALL, state_side
 
 
 def device_owned_fraction(params: Iterable[torch.Tensor], state: dict,

@@ -28,9 +28,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .fsdp import is_dtensor, rows_template
-from .partition import MATRIX, state_side
-from .shard import ROW_SHARDED, RowShard
+from ..dist.fsdp import is_dtensor, rows_template
+from ..state import MATRIX, state_side
+from ..dist.shard import ROW_SHARDED, RowShard
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .inputs import NonFiniteGradientError, Work
-from .kernels import confirm_nonfinite, nonfinite_flags
+from ..kernels import confirm_nonfinite, nonfinite_flags
 
 
 @dataclass
