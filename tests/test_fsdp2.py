@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zenflow_triton import NonFiniteGradientError, ZenFlowOptimizer
-from zenflow_triton.dist.fsdp import by_rows
+from zenflow_triton.state import by_rows
 from zenflow_triton.state import state_side
 
 from . import test_distributed as td

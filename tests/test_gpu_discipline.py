@@ -235,7 +235,7 @@ def test_counting_sees_syncs_in_library_code_only():
         torch.ones(()).item()  # the test's, not the library's
         migrate(p, st, torch.tensor([2, 4]), beta1=0.9, beta2=0.999, ops=get_ops("torch"),
                 link=link)
-    assert any(".cpu() at migration.py" in s for s in c.sync_sites), c.sync_sites
+    assert any(".cpu() at columns/migration.py" in s for s in c.sync_sites), c.sync_sites
     assert "a blocking transfer (Link)" in c.sync_sites
     assert c.syncs == 2, c.sync_sites
 

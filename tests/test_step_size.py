@@ -9,11 +9,23 @@ import pytest
 import torch
 
 from zenflow_triton import ZenFlowOptimizer
-from zenflow_triton.host.step_size import (SAMPLE, TRUST, adaptive_multiplier, multiplier,
-                                           multiplier_of_sums, sample_sums, signal_fraction,
-                                           trust_cap)
+from zenflow_triton.host.step_size import (SAMPLE, TRUST, cap_of_sums, fraction_of_sums,
+                                           multiplier, multiplier_of_sums, sample_sums)
 
 B1, B2 = 0.9, 0.999
+
+
+# The rule's parts on whole tensors, as the host job reads them (through sample_sums).
+def signal_fraction(m, v, steps, beta1, beta2):
+    return fraction_of_sums(sample_sums(m, m, v), steps, beta1, beta2)
+
+
+def trust_cap(master, lr):
+    return cap_of_sums(sample_sums(master, master, master), lr)
+
+
+def adaptive_multiplier(master, m, v, n, step, beta1, beta2, lr):
+    return multiplier_of_sums(sample_sums(master, m, v), n, step, beta1, beta2, lr)
 
 
 def adam_moments(window_means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

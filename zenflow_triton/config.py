@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
@@ -23,9 +22,6 @@ FiniteCheckAt = Literal["auto", "step", "boundary"]
 DEFAULT_CHUNK_SIZE = 1 << 22  # 4M fp32 elements = 16 MiB per staging buffer
 DEFAULT_MIN_OFFLOAD_NUMEL = 4096
 DEFAULT_SELECT_INTERVAL_WINDOWS = 16  # select_interval=None -> 16 update windows
-# host_lr_scale="sqrt" gives min(sqrt(n), SQRT_SCALE_CAP): sqrt of the default update_interval.
-# Uncapped, sqrt(16) = 4 diverged once in the step-size study (docs/design.md).
-SQRT_SCALE_CAP = 2.0
 # The dense set's default: embeddings and the LM head, by the names transformers, GPT-2 style
 # and most hand-written models give them (model.embed_tokens, word_embeddings, wte, wpe,
 # lm_head). The layers that infrequent updates hurt most (docs/design.md, "The dense set").
@@ -218,8 +214,11 @@ class ZenFlowConfig:
 
     @property
     def effective_host_lr_scale(self) -> float:
-        """The host lr multiplier of a full window (update_interval gradients) after warm-up."""
-        return self.host_lr_multiplier(self.update_interval)
+        """The host lr multiplier of a full window (update_interval gradients) after warm-up
+        (1 under "adaptive", which the host job resolves: ``host.step_size``)."""
+        from .host.step_size import fixed_multiplier  # lazy: the host package imports config
+
+        return fixed_multiplier(self.host_lr_scale, self.update_interval)
 
     @property
     def host_moment_dtype(self):
@@ -230,24 +229,6 @@ class ZenFlowConfig:
     def accumulator_torch_dtype(self):
         """``accumulator_dtype`` as a torch dtype."""
         return _TORCH_DTYPES[self.accumulator_dtype]
-
-    def host_lr_multiplier(self, n: int, warmup: bool = False) -> float:
-        """The host lr multiplier of a window in which the param accumulated ``n`` gradients:
-        1 during warm-up (plain AdamW), n under "auto", min(sqrt(n), SQRT_SCALE_CAP) under
-        "sqrt", the fixed value otherwise. Under "adaptive" this is 1 and the host job
-        multiplies by what the moments say (``adaptive_window``)."""
-        if warmup or self.host_lr_scale == "adaptive":
-            return 1.0
-        if self.host_lr_scale == "auto":
-            return float(n)
-        if self.host_lr_scale == "sqrt":
-            return min(math.sqrt(n), SQRT_SCALE_CAP)
-        return float(self.host_lr_scale)
-
-    def adaptive_window(self, n: int, warmup: bool = False) -> int:
-        """``n`` where the host job resolves this window's multiplier itself (the "adaptive"
-        rule, a window of more than one gradient after warm-up), else 0."""
-        return n if self.host_lr_scale == "adaptive" and not warmup and n > 1 else 0
 
     def replace(self, **changes: Any) -> "ZenFlowConfig":
         """A copy with some fields changed (validated like a new config)."""
@@ -272,6 +253,19 @@ class ZenFlowConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def of(cls, config: "ZenFlowConfig | None", fields_: dict[str, Any]) -> "ZenFlowConfig":
+        """The optimizer's config: ``config``, or one built from its fields given as keywords
+        (not both; an unknown keyword is a TypeError, as for any function)."""
+        if config is not None and fields_:
+            raise TypeError("give either config=ZenFlowConfig(...) or its fields as keywords, "
+                            f"not both (got config and {sorted(fields_)})")
+        unknown = set(fields_) - set(cls.field_names())
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; "
+                            f"ZenFlowConfig fields are {cls.field_names()}")
+        return config if config is not None else cls(**fields_)
 
 
 def matches_any(name: str | None, patterns: tuple[str, ...]) -> bool:

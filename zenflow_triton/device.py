@@ -23,7 +23,8 @@ class DeviceHalf:
         self.shard = shard
         self.config = config
         self.index_cache: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
-        """param -> (its host_idx, that index on the param's device); migration fills it."""
+        """param -> (its host_idx, that index on the param's device), made once per selection
+        (:meth:`remember`) or after a load (:meth:`host_idx`)."""
         self._empty: dict[tuple, tuple] = {}
 
     def run(self, work, state: dict, single_step_window: bool,
@@ -121,6 +122,23 @@ class DeviceHalf:
             on_device = self.link.indices_to_device(st["host_idx"].numpy(), p.device)
             cached = self.index_cache[p] = (st["host_idx"], on_device)
         return cached[1]
+
+    def remember(self, indices: dict) -> None:
+        """Take the host-owned indices a migration uploaded (``columns.migration``):
+        ``{p: (host_idx, on p's device)}``."""
+        self.index_cache.update(indices)
+
+    def forget(self, p: torch.Tensor | None = None) -> None:
+        """Drop the device copy of ``p``'s host-owned indices (every param's with None): its
+        state was replaced."""
+        if p is None:
+            self.index_cache.clear()
+        else:
+            self.index_cache.pop(p, None)
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        """The device copies of host-owned indices held now (for ``stats()``)."""
+        return [on_device for _, on_device in self.index_cache.values()]
 
     def host_columns(self, g2d: torch.Tensor, host_idx: torch.Tensor) -> torch.Tensor:
         """g2d[:, host_idx], without a gather when every column is host-owned."""

@@ -4,7 +4,7 @@ the link; changes nothing."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -66,3 +66,24 @@ def memory_bytes(state: dict, config: ZenFlowConfig, device_indices: Iterable[to
     out["host_state_bytes"] += fixed + pageable_scratch
     out["host_pinned_bytes"] += fixed
     return out
+
+
+def optimizer_stats(*, steps: int, backend: str, shard, link, pipeline, params: list,
+                    state: dict, kind_of: Callable[[torch.Tensor], str],
+                    config: ZenFlowConfig, device_indices: Iterable[torch.Tensor],
+                    counters: dict[str, int]) -> dict[str, Any]:
+    """``ZenFlowOptimizer.stats()``: counters, link bytes each way, the device-owned share of
+    elements, the bytes held on each side, host staging, and host wait/busy seconds. Reads;
+    changes nothing."""
+    multipliers = list(pipeline.multipliers.values())
+    return dict(steps=steps, backend=backend, rank=shard.rank, world_size=shard.world,
+                collective_bytes=shard.bytes, bytes_device_to_host=link.bytes_d2h,
+                bytes_host_to_device=link.bytes_h2d,
+                device_owned_fraction=device_owned_fraction(params, state, kind_of),
+                host_staging_bytes=pipeline.staging_bytes(),
+                **memory_bytes(state, config, device_indices, pipeline, link),
+                host_inflight=pipeline.inflight,
+                host_lr_multiplier_mean=(sum(multipliers) / len(multipliers)
+                                         if multipliers else None),
+                **counters, host_wait_seconds=pipeline.wait_seconds,
+                host_busy_seconds=pipeline.busy_seconds)

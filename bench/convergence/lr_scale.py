@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import run  # noqa: E402
 from workloads import BUILDERS  # noqa: E402
 
-from zenflow_triton.config import SQRT_SCALE_CAP, ZenFlowConfig  # noqa: E402
+from zenflow_triton.config import ZenFlowConfig  # noqa: E402
+from zenflow_triton.host.step_size import SQRT_SCALE_CAP  # noqa: E402
 
 # "sqrt-cap" is the shipped "sqrt" rule: sqrt(n), at most SQRT_SCALE_CAP. "sqrt" is uncapped.
 RULES = ("1", "sqrt", "sqrt-cap", "n", "adaptive")

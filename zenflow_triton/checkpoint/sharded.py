@@ -29,8 +29,8 @@ from typing import Any, Sequence
 import torch
 
 from ..dist.fsdp import is_dtensor, rows_template
-from ..state import MATRIX, state_side
-from ..dist.shard import ROW_SHARDED, RowShard
+from ..state import MATRIX, ROW_SHARDED, state_side
+from ..dist.shard import RowShard
 
 
 @contextlib.contextmanager

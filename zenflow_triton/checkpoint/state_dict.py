@@ -1,11 +1,11 @@
 """The state-dict format: packing, checks on load, and the conversions from and to
-``torch.optim.AdamW``'s state. Knows the per-param state layout (``partition``), not the
+``torch.optim.AdamW``'s state. Knows the per-param state layout (``state``), not the
 optimizer class.
 
 A ZenFlow state dict is torch's ``{"state": {index: ...}, "param_groups": [...]}`` plus a
 ``"zenflow"`` entry (format version, global step, config). Per matrix param the state holds
-the two halves of ``partition`` (column indices in the param's memory order, see
-``partition.view2d``); per small param AdamW's own ``exp_avg``/``exp_avg_sq``/``step``.
+the two halves of ``state`` (column indices in the param's memory order, see
+``columns.layout.view2d``); per small param AdamW's own ``exp_avg``/``exp_avg_sq``/``step``.
 Every tensor of a saved param state is checked against the param before anything is
 changed: a state that does not fit would otherwise make a kernel read or write out of
 bounds.
@@ -20,11 +20,11 @@ from typing import Any, Callable
 import torch
 
 from ..config import ZenFlowConfig
-from ..state import MATRIX, SMALL, state_side
+from ..state import (MATRIX, ROW_SHARDED, SMALL, matrix_state, misplaced,
+                     restore_param_state, state_side)
 from ..columns.migration import moment_scales
 from ..columns.layout import shape2d, view2d
-from ..dist.shard import ROW_SHARDED
-from ..transfer import to_host_memory
+from ..dist.fsdp import wrap_state_dict
 
 SD_KEY = "zenflow"
 SD_VERSION = 1
@@ -188,17 +188,8 @@ def from_adamw(p: torch.Tensor, entry: dict, kind: str, rows: tuple[int, int],
             out["master"] = p.detach().float()
         return out
     r0, r1 = rows
-    n_rows, cols = shape2d(p)
-    empty = torch.zeros(n_rows, 0)
-    out = {"kind": MATRIX, "selected": False, "device_idx": torch.zeros(0, dtype=torch.long),
-           "device_m": empty, "device_v": empty, "device_step": 0,
-           "host_idx": torch.arange(cols, dtype=torch.long),
-           "host_master": view2d(p.detach()).float()[r0:r1],
-           "host_m": view2d(m, like=p)[r0:r1], "host_v": view2d(v, like=p)[r0:r1],
-           "host_step": step, "acc": None, "acc_count": 0, "host_pending": False}
-    if p.dtype != torch.float32:
-        out["device_master"] = empty
-    return out
+    return matrix_state(p, torch.device("cpu"), view2d(p.detach()).float()[r0:r1],
+                        view2d(m, like=p)[r0:r1], view2d(v, like=p)[r0:r1], step)
 
 
 def to_adamw(p: torch.Tensor, st: dict, beta1: float, beta2: float) -> dict:
@@ -247,12 +238,6 @@ def config_change(saved: Any, mine: ZenFlowConfig) -> str | None:
             "to continue the saved run unchanged.")
 
 
-def misplaced(p: torch.Tensor, st: dict) -> bool:
-    """Whether a framework moved this param's state (Lightning moves every state tensor to
-    the param's device after loading a checkpoint, and to the CPU at teardown)."""
-    if st["kind"] == MATRIX:
-        return st["host_master"].device.type != "cpu" or st["device_m"].device != p.device
-    return st["exp_avg"].device != p.device
 
 
 _SAVE_GATHER = ("the state dict's all-gather of the host halves' rows (collective under data "
@@ -293,6 +278,35 @@ def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
             state[i][key] = t.cpu()
 
 
+def refuse_open_windows(params: list[torch.Tensor], state: dict, name_of) -> None:
+    """Raise where a window is open (accumulated gradients not yet on the host): AdamW's
+    state has no place for them."""
+    still_open = [name_of(p) for p in params if isinstance(state.get(p), dict)
+                  and state[p].get("acc_count", 0) > 0]
+    if still_open:
+        raise ValueError("to_adamw_state_dict: a window is open (accumulated gradients "
+                         f"not yet on the host) for {', '.join(still_open[:3])}; call "
+                         "it after a step that ends a window")
+
+
+def build(param_groups: list[dict], state: dict, params: list[torch.Tensor], shard, *,
+          gather: bool, meta: dict, fsdp: bool, config: ZenFlowConfig) -> dict[str, Any]:
+    """The state dict of an optimizer whose host work is finished: torch's layout (``pack``),
+    under data parallelism with ``gather`` every rank's rows of each host half (the full
+    form), the format's ``meta`` (also in the first param group, where frameworks keep only
+    ``state`` and ``param_groups``: DCP's state_dict API), and under FSDP2 each param's state
+    as DTensors (``dist.fsdp.wrap_state_dict``)."""
+    sd = pack(param_groups, state)
+    if gather and shard.sharded:
+        gather_host_halves(sd["state"], params, shard)
+    sd[SD_KEY] = meta
+    if sd["param_groups"]:
+        sd["param_groups"][0][SD_KEY] = dict(meta)
+    if fsdp:
+        wrap_state_dict(sd, params, config.accumulator_torch_dtype)
+    return sd
+
+
 def adamw_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
     """A full-form ZenFlow state dict (every row of every host half) as torch.optim.AdamW's:
     each param's state by :func:`to_adamw`, each group with AdamW's defaults for the options
@@ -307,40 +321,6 @@ def adamw_state_dict(sd: dict, params: list[torch.Tensor]) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def restore_param_state(p: torch.Tensor, saved: dict, config: ZenFlowConfig,
-                        rows: tuple[int, int]) -> dict:
-    """A checked saved state (:func:`check_param_state`) as this optimizer holds it: device
-    tensors on the param's device, host tensors in pageable host memory, in the dtypes the
-    config says, index tensors int64, step counts ints; of a host half or accumulator with
-    all rows, this rank's ``rows``; no accumulator without an open window."""
-    kind = saved["kind"]
-    st: dict[str, Any] = {}
-    r0, r1 = rows
-    total = view2d(p).shape[0] if kind == MATRIX else 0
-    for key, value in saved.items():
-        if key == "acc" and int(saved.get("acc_count", 0)) == 0:
-            continue  # no open window: no accumulator to hold (made when one opens)
-        if key in ("step", "device_step", "host_step", "acc_count") \
-                and isinstance(value, torch.Tensor):
-            value = int(value.item())
-        if not isinstance(value, torch.Tensor):
-            st[key] = value
-            continue
-        if kind == MATRIX and key in ROW_SHARDED and value.shape[0] == total:
-            value = value[r0:r1]  # this rank's rows of a full form
-        dtype = (torch.long if key.endswith("_idx")
-                 else config.host_moment_dtype if key in ("host_m", "host_v")
-                 else config.accumulator_torch_dtype if key == "acc"
-                 else torch.float32)
-        if state_side(key, config.accumulate_on) == "host":
-            st[key] = to_host_memory(value.detach(), dtype)  # straight to host memory
-        else:
-            st[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
-    if kind == MATRIX:
-        st["host_idx"] = st["host_idx"].cpu()
-        if st.get("acc_count", 0) == 0:
-            st["acc"] = None
-    return st
 
 
 @dataclass

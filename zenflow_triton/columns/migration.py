@@ -27,14 +27,16 @@ def migrate(p: torch.Tensor, st: dict, new_idx: torch.Tensor, *, beta1: float, b
     """:func:`migrate_many` for one param; ``new_idx`` the new device-owned columns (any
     device, sorted)."""
     return migrate_many([Move(p, st, new_idx.cpu().numpy(), beta1, beta2)], ops=ops,
-                        link=link)
+                        link=link)[0]
 
 
 def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link,
-                 host_idx_on_device: dict | None = None, shard=None) -> int:
+                 shard=None) -> tuple[int, dict]:
     """Make each move's ``new_idx`` the device-owned columns of its param, carrying the fp32
     master and moments of the columns that change owner (rescaled so their bias-corrected
-    values are unchanged under the destination's step count); return how many columns moved.
+    values are unchanged under the destination's step count). Returns how many columns moved,
+    and ``{p: (st["host_idx"], that index on p's device)}`` for every param whose split
+    changed (uploaded with the other tables, so the next accumulation need not copy it).
 
     Preconditions (the optimizer drains first): no host work in flight, host results applied,
     accumulators empty.
@@ -42,9 +44,7 @@ def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link,
     Host syncs, whatever the number of params: the bookkeeping of who moves where is done on
     the host (numpy, from the host-side ``host_idx``), so per device the columns leaving the
     device cross in one blocking copy (the host needs them), and the index tables and the
-    entering columns in one non-blocking copy each. ``host_idx_on_device``, when given, gets
-    ``{p: (st["host_idx"], that index on p's device)}`` for every param whose split changed
-    (uploaded with the other tables, so the next accumulation does not copy it itself).
+    entering columns in one non-blocking copy each.
 
     ``shard`` (a ``shard.RowShard``, data parallelism): this rank's host state holds only its
     rows; the columns leaving the device keep this rank's rows, and those entering it are
@@ -68,12 +68,12 @@ def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link,
     by_device: dict[torch.device, list] = {}
     for plan in plans:
         by_device.setdefault(plan["p"].device, []).append(plan)
+    indices = {}
     for dev, group in by_device.items():
         moved += _migrate_on(dev, group, ops=ops, link=link, shard=shard)
-        if host_idx_on_device is not None:
-            for plan in group:
-                host_idx_on_device[plan["p"]] = (plan["st"]["host_idx"], plan["new_host_d"])
-    return moved
+        for plan in group:
+            indices[plan["p"]] = (plan["st"]["host_idx"], plan["new_host_d"])
+    return moved, indices
 
 
 def _plan(mv: Move, rows: int, cols: int, owner_old: np.ndarray, owner_new: np.ndarray) -> dict:
@@ -121,9 +121,19 @@ def _plan(mv: Move, rows: int, cols: int, owner_old: np.ndarray, owner_new: np.n
 
 def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
                 shard=None) -> int:
+    """The moves of ``plans`` (one device's): index tables up, leaving columns down,
+    entering columns up, then the new halves assembled and the params' entering columns
+    written from the host master."""
     sharded = shard is not None and shard.sharded
-    # Index tables for the device, in one non-blocking copy: per param new_dev, leave_pos,
-    # dev_pos, enter, new_host.
+    _upload_tables(dev, plans, link)
+    _bring_leaving(plans, ops, link, shard if sharded else None)
+    _send_entering(dev, plans, link, shard if sharded else None)
+    return _assemble(plans, ops)
+
+
+def _upload_tables(dev: torch.device, plans: list, link: Link) -> None:
+    """Index tables for the device, in one non-blocking copy: per param new_dev, leave_pos,
+    dev_pos, enter, new_host (as ``plan[key + "_d"]``)."""
     keys = ("new_dev", "leave_pos", "dev_pos", "enter", "new_host")
     flat = np.concatenate([plan[k] for plan in plans for k in keys]).astype(np.int64)
     on_dev = link.indices_to_device(flat, dev)
@@ -134,8 +144,11 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
             plan[k + "_d"] = on_dev[off:off + n]
             off += n
 
-    # Columns leaving the device (fp32 master, m, v): gathered on the device, one blocking
-    # copy to the host for all params.
+
+def _bring_leaving(plans: list, ops: KernelOps, link: Link, shard) -> None:
+    """Columns leaving the device (fp32 master, m, v): gathered on the device, one blocking
+    copy to the host for all params, rescaled to the host's step count (``plan["moved_host"]``;
+    ``shard``: this rank keeps its rows of them)."""
     parts = []
     for plan in plans:
         st, p2d = plan["st"], view2d(plan["p"].detach())
@@ -151,14 +164,18 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
         got = [left[off + j * n: off + (j + 1) * n].view(plan["rows"], plan["leave"].size)
                for j in range(3)]
         off += 3 * n
-        if sharded:  # this rank keeps its rows of the columns that leave the device
+        if shard is not None:  # this rank keeps its rows of the columns that leave the device
             r0, r1 = shard.rows(plan["rows"])
             got = [g[r0:r1] for g in got]
         got[1].mul_(plan["to_host"][0])
         got[2].mul_(plan["to_host"][1])
         plan["moved_host"] = got
 
-    # Columns entering the device, from the host state: one non-blocking copy for all.
+
+def _send_entering(dev: torch.device, plans: list, link: Link, shard) -> None:
+    """Columns entering the device, from the host state: one non-blocking copy for all, every
+    rank's rows gathered under ``shard``, rescaled to the device's step count
+    (``plan["moved_dev"]``)."""
     host_parts = []
     for plan in plans:
         st = plan["st"]
@@ -174,7 +191,7 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
                for j in range(3)]
         off += 3 * n
         plan["moved_dev"] = got
-    if sharded:  # every rank's rows of the entering columns, on every rank
+    if shard is not None:  # every rank's rows of the entering columns, on every rank
         parts = [t for plan in plans for t in plan["moved_dev"]]
         full = shard.gather_rows(parts, [plan["rows"] for plan in plans for _ in range(3)])
         for i, plan in enumerate(plans):
@@ -186,7 +203,10 @@ def _migrate_on(dev: torch.device, plans: list, *, ops: KernelOps, link: Link,
             got[2] = got[2] * plan["to_dev"][1]
         plan["moved_dev"] = got
 
-    # The new halves: kept columns of the old half + the columns that moved in, in order.
+
+def _assemble(plans: list, ops: KernelOps) -> int:
+    """The new halves: kept columns of the old half + the columns that moved in, in order;
+    the params' entering columns written from the host master. Returns the columns moved."""
     moved = 0
     scatter = ([], [], [])
     for plan in plans:

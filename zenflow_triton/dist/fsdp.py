@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Iterator, MutableMapping
 
 import torch
 
+from ..state import MATRIX, by_rows
+
 
 def is_dtensor(t: torch.Tensor | None) -> bool:
     return t is not None and type(t).__name__ == "DTensor"
@@ -128,10 +130,44 @@ def localize(work: list, name_of: Callable[[torch.Tensor], str]) -> list:
     return out
 
 
-def by_rows(key: str, ndim: int) -> bool:
-    """Whether a per-param state tensor of ``ndim`` dimensions under ``key`` is laid out by
-    the param's rows (every one but the column indices and 0-d counts)."""
-    return ndim >= 1 and not key.endswith("_idx")
+def check_same_kind(params, fsdp: bool) -> None:
+    """Params added to an optimizer must be of its kind: all FSDP2 DTensors, or none."""
+    if any(is_dtensor(p) != fsdp for p in params):
+        raise ValueError("add_param_group: the new params must be "
+                         + ("FSDP2 DTensors" if fsdp else "plain tensors")
+                         + ", as this optimizer's are")
+
+
+def refuse(what: str) -> None:
+    """Raise: ``what`` does not take FSDP2 params yet; where to go instead."""
+    raise NotImplementedError(
+        f"{what} is not supported for FSDP2 params yet; save and load through "
+        "save_sharded() / load_sharded(), or "
+        "torch.distributed.checkpoint.state_dict (get_optimizer_state_dict / "
+        "set_optimizer_state_dict), which state_dict() and load_state_dict() serve "
+        "(docs/distributed.md)")
+
+
+def wrap_state_dict(sd: dict, params: list[torch.Tensor], accumulator_dtype: torch.dtype) -> None:
+    """In a packed state dict, each DTensor param's state as DTensors of its placement (each
+    rank's rows, no copies), as ``torch.distributed.checkpoint.state_dict`` expects of an
+    optimizer over FSDP2 params; an accumulator even where no window is open (zeros), so
+    that a fresh optimizer's state dict, which DCP loads into, has every key of a saved one."""
+    for i, st in sd["state"].items():
+        if not (isinstance(i, int) and isinstance(st, dict) and is_dtensor(params[i])):
+            continue
+        if st.get("kind") == MATRIX and st.get("acc") is None:
+            st["acc"] = torch.zeros(st["host_master"].shape[0], st["host_idx"].numel(),
+                                    dtype=accumulator_dtype)
+        sd["state"][i] = state_as_dtensors(st, params[i])
+
+
+def local_view(p: torch.Tensor, saved: dict, shard) -> tuple[torch.Tensor, dict]:
+    """A param and its saved state as this rank checks and holds them (a DTensor param: its
+    local rows, and the saved state's same rows)."""
+    if not is_dtensor(p):
+        return p, saved
+    return local(p), state_as_local(saved, p, shard.chunk_rows(p.shape[0]))
 
 
 def _has_rows(key: str, value: Any) -> bool:

@@ -25,10 +25,6 @@ from typing import Sequence
 import torch
 
 
-ROW_SHARDED = ("host_master", "host_m", "host_v", "acc")
-"""The state a rank keeps only its rows of: the host halves and the window accumulator."""
-
-
 class ShardError(RuntimeError):
     """Another rank failed (its host worker raised, or it timed out)."""
 
@@ -59,6 +55,20 @@ class RowShard:
             # Where this group's collectives run: NCCL needs CUDA tensors, gloo takes CPU ones.
             self.device = (torch.device("cuda", torch.cuda.current_device())
                            if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+
+    @classmethod
+    def for_params(cls, params: list[torch.Tensor], process_group, timeout: float) -> "RowShard":
+        """The shard of an optimizer over ``params``: FSDP2 DTensors (``dist.fsdp``) reduce and
+        vote over their mesh's group, their rows split already; other params split the host
+        halves by rows over ``process_group`` (None: the default group, if any)."""
+        from .fsdp import mesh_group
+
+        mesh = mesh_group(params)
+        if mesh is not None and process_group is not None and process_group is not mesh:
+            raise ValueError("process_group: FSDP2 params reduce over their mesh's group; "
+                             "leave process_group=None")
+        return cls(process_group if mesh is None else mesh, timeout=timeout,
+                   split_rows=mesh is None)
 
     @property
     def collective(self) -> bool:
@@ -170,6 +180,13 @@ class RowShard:
         self.bytes += buf.numel() * buf.element_size()
         self._wait(dist.all_reduce(buf, group=self.group, async_op=True), what)
         return buf.tolist()
+
+    def any_rank(self, flags: list[bool], what: str) -> list[bool]:
+        """Per flag, whether any rank set it (one all-reduce; a world of one returns
+        ``flags``): FSDP2's vote on the gradients' NaN/inf flags, each rank having checked
+        only its rows."""
+        summed = self.all_reduce_sum(torch.tensor(flags, dtype=torch.int32), what)
+        return [bool(n) for n in summed]
 
     def sum_rows(self, partials: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """Per-column sums over every rank's rows, from each rank's sums over its own

@@ -42,6 +42,36 @@ def _by_device(work: Work) -> dict[torch.device, list[tuple[torch.Tensor, torch.
     return out
 
 
+def reads_at_boundary(config, backend: str, fsdp: bool, params: list[torch.Tensor]) -> bool:
+    """Whether the NaN/inf check is read at boundaries only (``check_finite_at``): "auto"
+    does where the Triton kernels read a CUDA device flag and nothing needs the check at
+    once; an explicit "boundary" that cannot work raises."""
+    if config.check_finite_at == "boundary" and backend != "triton":
+        raise ValueError('check_finite_at="boundary" needs the Triton backend (its kernels '
+                         f'read the device flag), but this optimizer runs backend "{backend}"')
+    if config.check_finite_at == "boundary" and fsdp:
+        raise ValueError('check_finite_at="boundary" is not supported under FSDP2 yet (a '
+                         "rank's device flag would mask only its own rows); use \"step\"")
+    if config.check_finite_at == "auto":
+        return (backend == "triton" and config.accumulate_on == "device" and not fsdp
+                and any(p.device.type == "cuda" for p in params))
+    return config.check_finite_at == "boundary"
+
+
+def undo_of(states: list[dict], set_step: Callable[[], None]) -> Callable[[], None]:
+    """An undo of the host-side counters a steady step changes (each param's Adam step and
+    window count, as they are in ``states`` now; ``set_step`` puts the optimizer's step count
+    back): a deferred NaN/inf check undoes the steps it masked."""
+    saved = [(st, {k: st[k] for k in ("step", "device_step", "acc_count") if k in st})
+             for st in states]
+
+    def undo() -> None:
+        set_step()
+        for st, counts in saved:
+            st.update(counts)
+    return undo
+
+
 class FiniteWatch:
     def __init__(self, at_boundary: bool, name_of: Callable[[torch.Tensor], str],
                  vote: Callable[[list[bool]], list[bool]] | None = None) -> None:

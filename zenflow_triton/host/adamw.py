@@ -44,7 +44,7 @@ import warnings
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -117,7 +117,15 @@ class PieceIO:
     store: Callable[[int, int], None] | None = None
 
 
-Task = tuple  # (master, grad, m, v, HostHyper) or (master, grad, m, v, HostHyper, PieceIO)
+class HostTask(NamedTuple):
+    """One set of buffers for :meth:`HostAdamW.update_many` (a plain 5- or 6-tuple in this
+    order is accepted too)."""
+    master: torch.Tensor
+    grad: torch.Tensor | None
+    m: torch.Tensor
+    v: torch.Tensor
+    hyper: "HostHyper"
+    io: PieceIO | None = None
 
 
 class HostAdamWError(RuntimeError):
@@ -373,7 +381,7 @@ class HostAdamW:
         """One AdamW step on one set of buffers, in place (``grad`` may be overwritten)."""
         self.update_many([(master, grad, m, v, hyper)])
 
-    def update_many(self, tasks: Sequence[Task]) -> None:
+    def update_many(self, tasks: Sequence[HostTask | tuple]) -> None:
         """AdamW steps on many sets of buffers at once, in place: ``tasks`` is a sequence of
         ``(master, grad, m, v, hyper)`` or ``(master, grad, m, v, hyper, io)``; each tensor is
         fp32, on the CPU, contiguous, of one number of elements (``grad`` may be overwritten;
@@ -386,10 +394,11 @@ class HostAdamW:
         if pool is None:
             raise RuntimeError("this HostAdamW is closed")
         flats = [self._check(i, t) for i, t in enumerate(tasks)]
-        ios = [t[5] if len(t) == 6 else None for t in tasks]
+        tasks = [HostTask(*t) for t in tasks]
+        ios = [t.io for t in tasks]
         # Pieces of bounded size where the worker stages something: a loaded gradient, or
         # low-precision moments (widened to fp32 in the worker's scratch, rounded back).
-        batches = self._plan(flats, [t[4] for t in tasks],
+        batches = self._plan(flats, [t.hyper for t in tasks],
                              [(io is not None and io.load is not None,
                                f[2].dtype != torch.float32) for f, io in zip(flats, ios)])
         if not batches:
@@ -397,7 +406,7 @@ class HostAdamW:
         if not pool.alive():
             raise HostAdamWError("a host AdamW worker thread is dead")
         # Made once per call and shared by the pieces, not once per piece.
-        steps = _step_tensors([t[4].step for t in tasks])
+        steps = _step_tensors([t.hyper.step for t in tasks])
         futures = [pool.submit(self._run_batch, flats, ios, steps, b) for b in batches]
         self._wait(pool, futures, batches)
 

@@ -42,9 +42,9 @@ from typing import Hashable, Literal, Sequence
 import torch
 
 from ..transfer import CopyIn, Link, host_empty
-from .adamw import HostAdamW, HostHyper, PieceIO
+from .adamw import HostAdamW, HostHyper, HostTask, PieceIO
 from .outbox import Outboxes
-from .step_size import multiplier_of_sums, sample_sums
+from .step_size import resolve_adaptive
 from .worker import HostJob, HostWorker
 
 Source = Literal["direct", "device_acc", "host_acc"]
@@ -173,112 +173,82 @@ class HostPipeline:
         while the host computes. Results for an outbox are cast into it piece by piece, so
         the apply is one plain copy per arena, which does not block the training thread."""
         assert self._inflight is None, "a host job is still in flight"
-        tasks = []
-        stage: list[tuple] = []  # (host dst, src, zero src, divisor or None): see CopyIn
-        stored: list[Hashable] = []
-        box_items = []
-        devices: set[torch.device] = set()
-        queue = None  # the job's CopyQueue, made below once the devices are known
-
-        def piece_load(flat: torch.Tensor, zero: bool, divisor: float | None,
-                       dtype: torch.dtype):
-            def load(s: int, e: int, out: torch.Tensor) -> None:
-                queue.copy(out, flat[s:e])
-                if zero:
-                    queue.zero_(flat[s:e])
-                if divisor is not None:  # the mean rounded to the param's dtype, as staged
-                    out.div_(divisor)
-                    out.copy_(out.to(dtype))
-            return load
-
-        def staged_load(staged: torch.Tensor):  # the host casts, piece by piece, in cache
-            def load(s: int, e: int, out: torch.Tensor) -> None:
-                out.copy_(staged[s:e])
-            return load
-
-        def piece_store(param_flat: torch.Tensor, master_flat: torch.Tensor):
-            def store(s: int, e: int) -> None:
-                queue.copy(param_flat[s:e], master_flat[s:e])
-            return store
-
-        def zeroing(inner, flat: torch.Tensor):  # store, then zero the piece of the source
-            def store(s: int, e: int) -> None:
-                if inner is not None:
-                    inner(s, e)
-                flat[s:e].zero_()
-            return store
-
-        def outbox_store(key: Hashable, master_flat: torch.Tensor):
-            def store(s: int, e: int) -> None:
-                queue.wait_launched()  # the last apply's non-blocking copy may still read it
-                queue.copy(outboxes[key].view(-1)[s:e], master_flat[s:e])
-            return store
-
-        for w in windows:
-            if w.store_into is None and w.outbox is not None:
-                # The queue must know the outbox's device even when no gradient crosses
-                # (host accumulation): wait_launched() waits for that device's apply.
-                devices.add(w.outbox.device)
-                box_items.append((w.key, w.master.shape, w.outbox.dtype, w.outbox.device))
+        if not windows:
+            return
         # Outboxes first: a staged window's gradient is staged in its own outbox (the
         # param's dtype), which then carries the result back.
-        outboxes = self._outboxes.plan(box_items)
-        for w in windows:
-            load = store = None
-            hyper = w.hyper
-            zero_after = None
-            if w.source == "host_acc":
-                # The worker runs jobs in order: this window's adds are done before the job
-                # reads the accumulator, and the next window's run after the job zeroed it.
-                if w.grad.dtype == torch.float32:
-                    grad = w.grad
-                else:  # a bf16 accumulator: widened piece by piece by the pool
-                    grad, load = None, staged_load(w.grad.view(-1))
-                zero_after = w.grad.view(-1)
-            else:
-                zero_src = w.source == "device_acc"  # (holds this rank's rows only)
-                src = w.grad if w.rows is None else w.grad[w.rows[0]:w.rows[1]]
-                # A window sum is divided before it crosses; rounded when the param is not
-                # fp32 (so the host's gradient is the mean in the param's dtype).
-                divisor = hyper.grad_divisor if zero_src else None
-                devices.add(src.device)
-                if apply_now:  # streamed: never races the job
-                    self.link.count_d2h(src.numel() * src.element_size())
-                    rounds = divisor is not None and w.dtype != torch.float32
-                    grad, load = None, piece_load(src.reshape(-1), zero_src,
-                                                  divisor if rounds else None, w.dtype)
-                    if rounds:
-                        hyper = replace(hyper, grad_divisor=1.0)
-                else:  # staged in the param's dtype: its outbox, or a buffer of its own
-                    staged = outboxes.get(w.key)
-                    if staged is None:
-                        staged = self._reusable(w.key, src.shape, w.dtype)
-                    stage.append((staged, src, zero_src, divisor))
-                    hyper = replace(hyper, grad_divisor=1.0)
-                    if staged.dtype == torch.float32:
-                        grad = staged.view(w.master.shape)
-                    else:
-                        grad, load = None, staged_load(staged.view(-1))
-            if w.store_into is not None:
-                devices.add(w.store_into.device)
-                self.link.count_h2d(w.store_into.numel() * w.store_into.element_size())
-                store = piece_store(w.store_into, w.master.view(-1))
-                stored.append(w.key)
-            elif w.outbox is not None:
-                store = outbox_store(w.key, w.master.view(-1))
-            if zero_after is not None:
-                store = zeroing(store, zero_after)
-            io = PieceIO(load, store) if load or store else None
-            tasks.append((w.master, grad, w.m, w.v, hyper) + ((io,) if io else ()))
-        if not tasks:
-            return
-        adamw = self._adamw
-        queue = self.link.copy_queue(devices, self._timeout)
+        outboxes = self._outboxes.plan([(w.key, w.master.shape, w.outbox.dtype, w.outbox.device)
+                                        for w in windows
+                                        if w.store_into is None and w.outbox is not None])
+        queue = self.link.copy_queue(_devices(windows), self._timeout)
+        stage: list[tuple] = []  # (host dst, src, zero src, divisor or None): see CopyIn
+        stored: list[Hashable] = []
+        tasks = [self._task(w, apply_now, queue, outboxes, stage, stored) for w in windows]
         copy_in = self.link.copy_in(stage)  # CUDA: queued now on the copy stream
         copied_in = threading.Event()  # the job's thread is past its copy-in
-        timeout = self._timeout
+        run = self._job(tasks, [w.key for w in windows], queue, copy_in, copied_in)
+        self._inflight = self._worker.submit(run, label)
+        self._copy_in = (copy_in, copied_in)
+        self._stored = stored
+        self._job_outbox = outboxes
+        if any(not zero_src for _, _, zero_src, _ in stage):
+            # A param's own .grad: the caller may overwrite it once step() returns.
+            self.wait_copy_in()
 
-        pipeline = self
+    def _task(self, w: Window, apply_now: bool, queue, outboxes: dict, stage: list,
+              stored: list) -> HostTask:
+        """``w``'s task of the job: where its gradient comes from (a piece-wise load, a staged
+        copy, or the host accumulator itself) and where its result goes."""
+        load = store = None
+        hyper = w.hyper
+        zero_after = None
+        if w.source == "host_acc":
+            # The worker runs jobs in order: this window's adds are done before the job
+            # reads the accumulator, and the next window's run after the job zeroed it.
+            if w.grad.dtype == torch.float32:
+                grad = w.grad
+            else:  # a bf16 accumulator: widened piece by piece by the pool
+                grad, load = None, _staged_load(w.grad.view(-1))
+            zero_after = w.grad.view(-1)
+        else:
+            zero_src = w.source == "device_acc"  # (holds this rank's rows only)
+            src = w.grad if w.rows is None else w.grad[w.rows[0]:w.rows[1]]
+            # A window sum is divided before it crosses; rounded when the param is not
+            # fp32 (so the host's gradient is the mean in the param's dtype).
+            divisor = hyper.grad_divisor if zero_src else None
+            if apply_now:  # streamed: never races the job
+                self.link.count_d2h(src.numel() * src.element_size())
+                rounds = divisor is not None and w.dtype != torch.float32
+                grad, load = None, _piece_load(queue, src.reshape(-1), zero_src,
+                                               divisor if rounds else None, w.dtype)
+                if rounds:
+                    hyper = replace(hyper, grad_divisor=1.0)
+            else:  # staged in the param's dtype: its outbox, or a buffer of its own
+                staged = outboxes.get(w.key)
+                if staged is None:
+                    staged = self._reusable(w.key, src.shape, w.dtype)
+                stage.append((staged, src, zero_src, divisor))
+                hyper = replace(hyper, grad_divisor=1.0)
+                if staged.dtype == torch.float32:
+                    grad = staged.view(w.master.shape)
+                else:
+                    grad, load = None, _staged_load(staged.view(-1))
+        if w.store_into is not None:
+            self.link.count_h2d(w.store_into.numel() * w.store_into.element_size())
+            store = _piece_store(queue, w.store_into, w.master.view(-1))
+            stored.append(w.key)
+        elif w.outbox is not None:
+            store = _outbox_store(queue, outboxes[w.key].view(-1), w.master.view(-1))
+        if zero_after is not None:
+            store = _zeroing(store, zero_after)
+        io = PieceIO(load, store) if load or store else None
+        return HostTask(w.master, grad, w.m, w.v, hyper, io)
+
+    def _job(self, tasks: list[HostTask], keys: list[Hashable], queue, copy_in,
+             copied_in: threading.Event):
+        """The job's body, run on the host worker: the copy-in, the adaptive step sizes, one
+        pool dispatch of every task, the queued copies flushed (also when it fails)."""
+        adamw, timeout, pipeline = self._adamw, self._timeout, self
 
         def run() -> None:
             try:
@@ -288,7 +258,7 @@ class HostPipeline:
             try:
                 # The moments are this job's now (the last job was waited for): the adaptive
                 # step sizes read them before the update changes them.
-                resolved, multipliers = resolve_adaptive(tasks, [w.key for w in windows])
+                resolved, multipliers = resolve_adaptive(tasks, keys)
                 if multipliers:
                     pipeline.multipliers = multipliers  # one assignment: readers see all
                 adamw.update_many(resolved)  # every param of the window in one pool dispatch
@@ -299,14 +269,7 @@ class HostPipeline:
                 except Exception:
                     pass
                 raise
-
-        self._inflight = self._worker.submit(run, label)
-        self._copy_in = (copy_in, copied_in)
-        self._stored = stored
-        self._job_outbox = outboxes
-        if any(not zero_src for _, _, zero_src, _ in stage):
-            # A param's own .grad: the caller may overwrite it once step() returns.
-            self.wait_copy_in()
+        return run
 
     def _reusable(self, key: Hashable, shape, dtype: torch.dtype) -> torch.Tensor:
         """The staging buffer of ``key`` (a link buffer: pinned where CUDA exists), reused
@@ -393,21 +356,58 @@ class HostPipeline:
         return self._adamw.scratch_bytes(), self._adamw.moment_scratch_bytes()
 
 
-def resolve_adaptive(tasks: list, keys: Sequence[Hashable]
-                     ) -> tuple[list, dict[Hashable, float]]:
-    """``tasks`` with every adaptive learning rate resolved (``HostHyper.adaptive_window``):
-    lr times the multiplier that the task's moments give (or its ``adaptive_sums``, given);
-    and those multipliers by key."""
-    out, record = [], {}
-    for key, task in zip(keys, tasks):
-        h = task[4]
-        if h.adaptive_window:
-            sums = h.adaptive_sums
-            if sums is None:
-                sums = sample_sums(task[0], task[2], task[3])
-            c = multiplier_of_sums(sums, h.adaptive_window, h.step, h.beta1, h.beta2, h.lr)
-            record[key] = c
-            task = task[:4] + (replace(h, lr=h.lr * c, adaptive_window=0,
-                                       adaptive_sums=None),) + task[5:]
-        out.append(task)
-    return out, record
+
+def _devices(windows: Sequence[Window]) -> set[torch.device]:
+    """The devices a job's copies touch: its gradients' sources, the params it stores into,
+    and its outboxes (the queue must know an outbox's device even when no gradient crosses,
+    as under host accumulation: ``wait_launched()`` waits for that device's apply)."""
+    devices = set()
+    for w in windows:
+        if w.store_into is None and w.outbox is not None:
+            devices.add(w.outbox.device)
+        if w.source != "host_acc":
+            devices.add(w.grad.device)
+        if w.store_into is not None:
+            devices.add(w.store_into.device)
+    return devices
+
+
+# A task's piece-wise loads and stores (``PieceIO``), run on the pool's workers; ``queue``
+# is the job's ``transfer.CopyQueue``.
+def _piece_load(queue, flat: torch.Tensor, zero: bool, divisor: float | None,
+                dtype: torch.dtype):
+    def load(s: int, e: int, out: torch.Tensor) -> None:
+        queue.copy(out, flat[s:e])
+        if zero:
+            queue.zero_(flat[s:e])
+        if divisor is not None:  # the mean rounded to the param's dtype, as staged
+            out.div_(divisor)
+            out.copy_(out.to(dtype))
+    return load
+
+
+def _staged_load(staged: torch.Tensor):  # the host casts, piece by piece, in cache
+    def load(s: int, e: int, out: torch.Tensor) -> None:
+        out.copy_(staged[s:e])
+    return load
+
+
+def _piece_store(queue, param_flat: torch.Tensor, master_flat: torch.Tensor):
+    def store(s: int, e: int) -> None:
+        queue.copy(param_flat[s:e], master_flat[s:e])
+    return store
+
+
+def _zeroing(inner, flat: torch.Tensor):  # store, then zero the piece of the source
+    def store(s: int, e: int) -> None:
+        if inner is not None:
+            inner(s, e)
+        flat[s:e].zero_()
+    return store
+
+
+def _outbox_store(queue, box: torch.Tensor, master_flat: torch.Tensor):
+    def store(s: int, e: int) -> None:
+        queue.wait_launched()  # the last apply's non-blocking copy may still read it
+        queue.copy(box[s:e], master_flat[s:e])
+    return store

@@ -1,5 +1,11 @@
-"""The adaptive host step size (``host_lr_scale="adaptive"``): how far one host AdamW step on
-a window-mean gradient should travel, estimated from the param's own host moments.
+"""The host step size: the learning-rate multiplier of one host AdamW step on the mean of a
+window of ``n`` gradients (``ZenFlowConfig.host_lr_scale``). Every rule lives here, behind two
+calls: :func:`window_lr` when a window closes (the fixed rules: 1, n, min(sqrt(n), cap), a
+number) and :func:`resolve_adaptive` in the host job, when the moments are final (the
+adaptive rule below).
+
+The adaptive rule (``host_lr_scale="adaptive"``): how far one host AdamW step on a
+window-mean gradient should travel, estimated from the param's own host moments.
 
 A host-owned column gets one Adam step per window of ``n`` gradients. Per element, with
 gradients ``g_t = mu + noise`` (noise variance ``s2``), AdamW's ``n`` steps drift by about
@@ -32,9 +38,16 @@ step. The derivation is in docs/design.md, "The host step size".
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Hashable, Sequence
 
 import numpy as np
 import torch
+
+SQRT_SCALE_CAP = 2.0
+"""``host_lr_scale="sqrt"`` gives min(sqrt(n), SQRT_SCALE_CAP): sqrt of the default
+update_interval. Uncapped, sqrt(16) = 4 diverged once in the step-size study
+(docs/quality.md)."""
 
 SAMPLE = 1 << 16
 """Most elements of a param's host moments (or master) read for one estimate."""
@@ -72,8 +85,10 @@ def sample_sums(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, offset: 
     return np.array([np.sum(ms * ms), np.sum(vs), np.dot(ws, ws), ws.size], dtype=np.float64)
 
 
-def _fraction(sum_m2: float, sum_v: float, count: float, steps: int, beta1: float,
-              beta2: float) -> float:
+def fraction_of_sums(sums, steps: int, beta1: float, beta2: float) -> float:
+    """``rho`` in [0, 1] of a host half whose moments hold ``steps`` host steps, from its
+    :func:`sample_sums` (0 when ``steps < 2``: too little history to tell signal from noise)."""
+    sum_m2, sum_v, _, count = (float(x) for x in sums)
     if steps < 2 or count == 0:
         return 0.0
     bc1 = 1.0 - beta1 ** steps
@@ -89,14 +104,6 @@ def _fraction(sum_m2: float, sum_v: float, count: float, steps: int, beta1: floa
     return min(1.0, max(0.0, rho)) if math.isfinite(rho) else 0.0
 
 
-def signal_fraction(m: torch.Tensor, v: torch.Tensor, steps: int, beta1: float,
-                    beta2: float) -> float:
-    """``rho`` in [0, 1] of a param's host half whose moments ``m``, ``v`` hold ``steps``
-    host steps (0 when ``steps < 2``: too little history to tell signal from noise)."""
-    if steps < 2 or m.numel() == 0:
-        return 0.0
-    ms, vs = _sample(m), _sample(v)
-    return _fraction(float(np.sum(ms * ms)), float(np.sum(vs)), ms.size, steps, beta1, beta2)
 
 
 def multiplier(n: int, rho: float) -> float:
@@ -108,33 +115,68 @@ def multiplier(n: int, rho: float) -> float:
     return n / math.sqrt(rho + n * (1.0 - rho))
 
 
-def _cap(sum_w2: float, count: float, lr: float) -> float:
+def cap_of_sums(sums, lr: float) -> float:
+    """The largest multiplier whose host step changes the host half by at most ``TRUST`` of
+    its RMS (from its :func:`sample_sums`): an Adam step moves an element by about ``lr``, so
+    a step of multiplier ``c`` by about ``c * lr``; never below 1 (one ordinary AdamW step)."""
+    _, _, sum_w2, count = (float(x) for x in sums)
     if not lr > 0.0:
         return math.inf
     rms = math.sqrt(sum_w2 / count) if count else 0.0
     return max(1.0, TRUST * rms / lr)
 
 
-def trust_cap(master: torch.Tensor, lr: float) -> float:
-    """The largest multiplier whose host step changes the param's host half by at most
-    ``TRUST`` of its RMS: an Adam step moves an element by about ``lr``, so a step of
-    multiplier ``c`` by about ``c * lr``; never below 1 (one ordinary AdamW step)."""
-    w = _sample(master)
-    return _cap(float(np.dot(w, w)), w.size, lr)
 
 
 def multiplier_of_sums(sums, n: int, step: int, beta1: float, beta2: float,
                        lr: float) -> float:
-    """:func:`adaptive_multiplier` from a host half's :func:`sample_sums` (summed over its
-    parts: every rank's rows under data parallelism)."""
-    sum_m2, sum_v, sum_w2, count = (float(x) for x in sums)
-    rho = _fraction(sum_m2, sum_v, count, step - 1, beta1, beta2)
-    return min(multiplier(n, rho), _cap(sum_w2, count, lr))
-
-
-def adaptive_multiplier(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, n: int,
-                        step: int, beta1: float, beta2: float, lr: float) -> float:
     """The multiplier of host step ``step`` (1-based) on a window of ``n`` gradients at base
-    learning rate ``lr``, from the master and moments as they are before it (``step - 1``
-    steps): the drift-matching multiplier, at most :func:`trust_cap`."""
-    return multiplier_of_sums(sample_sums(master, m, v), n, step, beta1, beta2, lr)
+    learning rate ``lr``, from a host half's :func:`sample_sums` as it is before the step
+    (summed over its parts: every rank's rows under data parallelism): the drift-matching
+    multiplier, at most :func:`cap_of_sums`."""
+    rho = fraction_of_sums(sums, step - 1, beta1, beta2)
+    return min(multiplier(n, rho), cap_of_sums(sums, lr))
+
+
+
+
+def fixed_multiplier(scale, n: int, warmup: bool = False) -> float:
+    """The multiplier a window of ``n`` gradients gets when it closes: 1 in warm-up (plain
+    AdamW) and under "adaptive" (the job multiplies by :func:`resolve_adaptive`'s), n under
+    "auto", min(sqrt(n), SQRT_SCALE_CAP) under "sqrt", else the number ``scale``."""
+    if warmup or scale == "adaptive":
+        return 1.0
+    if scale == "auto":
+        return float(n)
+    if scale == "sqrt":
+        return min(math.sqrt(n), SQRT_SCALE_CAP)
+    return float(scale)
+
+
+def window_lr(scale, lr: float, n: int, warmup: bool) -> tuple[float, int]:
+    """``(lr, adaptive_window)`` of a window of ``n`` gradients closing at base learning rate
+    ``lr``: lr times :func:`fixed_multiplier`, and ``n`` where the host job resolves the
+    multiplier itself (the adaptive rule on a window of more than one gradient after warm-up;
+    see :func:`resolve_adaptive`), else 0."""
+    adaptive = n if scale == "adaptive" and not warmup and n > 1 else 0
+    return lr * fixed_multiplier(scale, n, warmup), adaptive
+
+
+def resolve_adaptive(tasks: list, keys: Sequence[Hashable]) -> tuple[list, dict[Hashable, float]]:
+    """``tasks`` (``host.adamw.HostTask``) with every adaptive learning rate resolved
+    (``HostHyper.adaptive_window``): lr times the multiplier that the task's moments give (or
+    its ``adaptive_sums``, summed over the ranks); and those multipliers by key. Called by the
+    host job once the moments are final (the job before has finished)."""
+    out, record = [], {}
+    for key, task in zip(keys, tasks):
+        h = task.hyper
+        if h.adaptive_window:
+            sums = h.adaptive_sums
+            if sums is None:
+                sums = sample_sums(task.master, task.m, task.v)
+            c = multiplier_of_sums(sums, h.adaptive_window, h.step, h.beta1, h.beta2, h.lr)
+            record[key] = c
+            task = task._replace(hyper=replace(h, lr=h.lr * c, adaptive_window=0,
+                                               adaptive_sums=None))
+        out.append(task)
+    return out, record

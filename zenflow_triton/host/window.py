@@ -1,6 +1,6 @@
-"""A matrix param's window at the host boundary: closed into a :class:`host.Window` (what
-crosses, the hyperparameters of the launching step, where the result goes), and its result
-applied into the param's host-owned columns."""
+"""The windows that end at a host boundary: each matrix param's closed into a
+:class:`host.Window` (what crosses, the hyperparameters of the launching step with the host
+step size, where the result goes); the result is applied later (``host.apply``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,23 @@ import torch
 from ..config import ZenFlowConfig
 from .adamw import HostHyper
 from .pipeline import Window
-from .step_size import SUMS, sample_sums
+from .step_size import SUMS, sample_sums, window_lr
 from ..columns.layout import view2d
+from ..dist.fsdp import is_dtensor, local
+from ..state import MATRIX
+
+
+def close_windows(param_groups: list[dict], state, config: ZenFlowConfig, shard, direct: dict,
+                  apply_now: bool, warmup: bool) -> list[Window]:
+    """The window of every matrix param that accumulated a gradient since its last one, in
+    param order, with the adaptive step sizes' statistics shared over the ranks. ``state``:
+    the optimizer's (keyed by param; ``dist.fsdp.local`` gives a DTensor's own rows)."""
+    windows = [close_window(group, local(p), st, config, shard, direct, apply_now, warmup,
+                            p.shape[0] if is_dtensor(p) else None)
+               for group in param_groups for p in group["params"]
+               for st in (state.get(p),)
+               if isinstance(st, dict) and st.get("kind") == MATRIX and st["acc_count"]]
+    return share_adaptive_sums(windows, shard)
 
 
 def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, shard,
@@ -42,10 +57,10 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
     st["host_step"] += 1
     st["host_pending"] = True
     beta1, beta2 = group["betas"]
-    hyper = HostHyper(lr=group["lr"] * config.host_lr_multiplier(count, warmup), beta1=beta1,
-                      beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                      step=st["host_step"], grad_divisor=float(count),
-                      adaptive_window=config.adaptive_window(count, warmup))
+    lr, adaptive_window = window_lr(config.host_lr_scale, group["lr"], count, warmup)
+    hyper = HostHyper(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"], step=st["host_step"],
+                      grad_divisor=float(count), adaptive_window=adaptive_window)
     if shard.collective and hyper.adaptive_window:  # this rank's part; share_adaptive_sums
         whole = p2d.shape[0] if whole_rows is None else whole_rows  # adds them up
         r0, _ = shard.chunk_rows(whole)
