@@ -5,7 +5,7 @@ writes to ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.txt``:
 
 1. **Trajectory**: ZenFlow with the Triton backend (compiled kernels) against the torch
    backend, topk_ratio > 0, overlapped windows, reselection: the fp32 masters agree to the
-   fp32 rounding bound of tests/helpers.fp32_run_tol and each bf16 param is its master
+   fp32 rounding bound of tests/support/helpers.fp32_run_tol and each bf16 param is its master
    rounded.
 2. **Host syncs per step**, counted by CUDA itself (``torch.cuda.set_sync_debug_mode``: a
    warning for every synchronizing call) on a steady step, an applying boundary and a

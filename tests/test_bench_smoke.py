@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from .support.helpers import tree_env
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = "bench/bench_kernels.py"
 TIMEOUT_S = 300
@@ -33,7 +35,7 @@ def _ci_env() -> dict[str, str]:
     """This environment as CI's benchmark step sees it: ZENFLOW_BENCH_QUICK=1, no CUDA
     device, and nothing else that would switch the smoke mode or the interpreter on for it
     (so the bench files have to do that themselves)."""
-    env = dict(os.environ)
+    env = tree_env()
     for var in ("ZENFLOW_BENCH_CPU_SMOKE", "TRITON_INTERPRET", "ZENFLOW_BENCH_OUT",
                 "ZENFLOW_BENCH_JSON", "PYTEST_ADDOPTS"):
         env.pop(var, None)

@@ -9,7 +9,7 @@ import torch
 
 from zenflow_triton import ZenFlowOptimizer
 
-from .helpers import batches, clone_model, make_model, param_groups, params_of, train, warmup_lambda
+from .support.helpers import batches, clone_model, make_model, param_groups, params_of, train, warmup_lambda
 
 CFG = dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
            min_offload_numel=64, host_threads=2, chunk_size=101)
@@ -193,7 +193,7 @@ def test_save_sharded_in_one_process_round_trips(tmp_path):
     bit for bit. (Several ranks: tests/test_distributed.py.)"""
     from zenflow_triton import ZenFlowOptimizer
 
-    from .helpers import batches, loss_fn, make_model, train
+    from .support.helpers import batches, loss_fn, make_model, train
 
     data = batches(12)
     cfg = dict(topk_ratio=0.2, update_interval=4, select_interval=8, min_offload_numel=64,
@@ -228,7 +228,7 @@ def test_a_state_dict_saved_by_an_earlier_version_loads():
     run (to fp32 rounding: the file was written on another CPU)."""
     from pathlib import Path
 
-    from .helpers import assert_trajectories_close, batches, params_of, train
+    from .support.helpers import assert_trajectories_close, batches, params_of, train
 
     saved = torch.load(Path(__file__).parent / "data" / "state_dict_fc55536.pt",
                        weights_only=True)

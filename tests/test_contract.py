@@ -8,7 +8,8 @@ from torch import nn
 
 from zenflow_triton import ZenFlowOptimizer
 
-from .helpers import assert_trajectories_close, batches, loss_fn, make_model, params_of
+from .support.helpers import (assert_trajectories_close, batches, loss_fn, make_model,
+                              params_of, tree_env)
 
 
 def test_closure_computes_loss_under_grad_and_is_returned():
@@ -211,7 +212,7 @@ def test_script_ending_with_host_work_in_flight_exits_cleanly(tmp_path):
         print("in flight:", opt.stats()["host_inflight"])
     """))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=tree_env())
     assert "in flight: True" in run.stdout  # the case under test did happen
     assert run.returncode == 0, run.stderr[-2000:]
     assert "terminate called" not in run.stderr

@@ -13,8 +13,8 @@ import torch
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.transfer import Link, host_empty
 
-from .helpers import (GradFeed, assert_trajectories_close, fp32_masters, make_model,
-                      param_groups)
+from .support.helpers import (GradFeed, assert_trajectories_close, fp32_masters, make_model,
+                              param_groups)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

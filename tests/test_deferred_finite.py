@@ -15,7 +15,7 @@ import torch
 from zenflow_triton import ConfigError, NonFiniteGradientError, ZenFlowOptimizer
 from zenflow_triton.kernels import triton_available
 
-from .helpers import batches, loss_fn, make_model, params_of
+from .support.helpers import batches, loss_fn, make_model, params_of
 
 pytestmark = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
 # Compiled kernels on a GPU (bench/gpu_check.sh), the interpreter on CPU tensors elsewhere.

@@ -10,8 +10,8 @@ import torch
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.config import DEFAULT_DENSE_PARAMS, ConfigError, ZenFlowConfig
 
-from .helpers import (FeedModel, GradFeed, assert_not_close, assert_trajectories_close,
-                      batches, loss_fn, make_model, train_feed)
+from .support.helpers import (FeedModel, GradFeed, assert_not_close, assert_trajectories_close,
+                              batches, loss_fn, make_model, train_feed)
 
 # update_interval 4, overlap: the split params' host columns lag, the dense ones do not
 SPLIT = dict(min_offload_numel=64, topk_ratio=0.2, update_interval=4, host_lr_scale=1.0)

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from zenflow_triton import ZenFlowOptimizer
 
-from .helpers import assert_trajectories_close
+from .support.helpers import assert_trajectories_close, tree_env
 
 WORLD = 2
 STEPS = 20
@@ -96,7 +96,7 @@ def _collectives_scenario(rank: int) -> dict:
     sees, over 8 steps: windows of 2, reselection every 4."""
     from zenflow_triton.dist.shard import RowShard
 
-    from .counting import count_step
+    from .support.counting import count_step
 
     waits = []
     real = RowShard._wait
@@ -281,6 +281,9 @@ def torchrun(args: list[str], timeout: float = 240) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK",
                                                                       "WORLD_SIZE", "LOCAL_"))}
     env["CUDA_VISIBLE_DEVICES"] = ""
+    # The tree under test first: the children import it, not whatever zenflow_triton is
+    # installed (a venv of another checkout would otherwise test that one).
+    env["PYTHONPATH"] = tree_env()["PYTHONPATH"]
     for attempt in range(2):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node", "2", *args], cwd=root, env=env,
@@ -470,7 +473,7 @@ def test_every_mode_follows_one_process(tmp_path, mode):
     # can flip a bf16 rounding (2**-8 relative) of an accumulator or a moment, which moves
     # that window's host update (at most lr_eff * R) by a few such units; summed over the
     # windows (4 units each: the accumulator, m, v and the square root).
-    from .helpers import adam_step_bound, fp32_run_tol
+    from .support.helpers import adam_step_bound, fp32_run_tol
     lr_eff = LR * CFG["update_interval"]
     windows = STEPS // CFG["update_interval"]
     atol = 4 * 2.0 ** -8 * windows * lr_eff * adam_step_bound(0.9, 0.999, STEPS)

@@ -16,10 +16,10 @@ import torch
 
 from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer
 
-from .helpers import (FeedModel, GradFeed, assert_not_close, assert_trajectories_close,
-                      batches, fp32_masters, loss_fn, make_model, param_groups, params_of,
-                      train, train_feed, warmup_lambda)
-from . import reference
+from .support.helpers import (FeedModel, GradFeed, assert_not_close, assert_trajectories_close,
+                              batches, fp32_masters, loss_fn, make_model, param_groups,
+                              params_of, train, train_feed, warmup_lambda)
+from .support import reference
 
 STEPS = 30
 LR = 1e-2  # large enough that a window applied at the wrong step shows far above rounding

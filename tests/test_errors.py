@@ -14,7 +14,7 @@ from zenflow_triton import (ConfigError, HostWorkerError, NonFiniteGradientError
 
 from zenflow_triton.kernels import triton_available
 
-from .helpers import batches, loss_fn, make_model, params_of
+from .support.helpers import batches, loss_fn, make_model, params_of
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -260,7 +260,7 @@ def test_huge_finite_gradients_are_not_refused():
     (elements near the fp32 maximum) must still step, as torch.optim.AdamW would."""
     from zenflow_triton import ZenFlowOptimizer
 
-    from .helpers import assert_trajectories_close
+    from .support.helpers import assert_trajectories_close
 
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8))]

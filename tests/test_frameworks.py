@@ -426,7 +426,7 @@ def test_hf_trainer_saves_under_ddp_on_rank_0(tmp_path):
     with the same params."""
     from .test_distributed import torchrun
 
-    torchrun(["tests/hf_ddp_save.py", str(tmp_path)], timeout=300)
+    torchrun(["tests/support/hf_ddp_save.py", str(tmp_path)], timeout=300)
     res = torch.load(tmp_path / "result.pt", weights_only=False)
     assert res["world"] == 2 and res["steps"] == 8 and res["saved_step"] == 8
     # Every split matrix of the tiny Llama (32 or 64 rows, and the 64-row head) saved whole.

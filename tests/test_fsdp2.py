@@ -21,7 +21,7 @@ from zenflow_triton.state import by_rows
 from zenflow_triton.state import state_side
 
 from . import test_distributed as td
-from .helpers import assert_trajectories_close
+from .support.helpers import assert_trajectories_close
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed missing")
 

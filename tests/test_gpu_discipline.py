@@ -20,7 +20,7 @@ import torch
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.kernels import triton_available
 
-from .counting import BLOCKING_LINK, count_step
+from .support.counting import BLOCKING_LINK, count_step
 
 SIZES = (4, 16)
 # Windows of 2, reselection every 4: t = 3 is steady; t = 4 a boundary that applies the window
@@ -225,7 +225,7 @@ def test_counting_sees_syncs_in_library_code_only():
     from zenflow_triton.columns.migration import migrate
     from zenflow_triton.transfer import Link
 
-    from .counting import counting
+    from .support.counting import counting
 
     p, link = torch.randn(6, 10), Link()
     st = init_matrix_state(p, link)
@@ -260,7 +260,7 @@ def test_counter_counts_every_kind_of_blocking_call_once():
     from zenflow_triton.host.worker import HostWorker
     from zenflow_triton.transfer import Link
 
-    from .counting import counting
+    from .support.counting import counting
 
     ns = library_code('''
 import threading

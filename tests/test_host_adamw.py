@@ -13,7 +13,7 @@ import zenflow_triton.host.adamw as host_adamw
 from zenflow_triton.adamw_math import adamw_
 from zenflow_triton.host import HostAdamW, HostHyper, PieceIO
 
-from .helpers import assert_trajectories_close, fp32_run_tol
+from .support.helpers import assert_trajectories_close, fp32_run_tol
 
 # Sizes around the vector width (8 / 16), ALIGN (64) and MIN_PIECE (65536).
 SIZES = [1, 7, 63, 64, 65, 1023, 4097]

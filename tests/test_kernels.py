@@ -28,6 +28,8 @@ if not ok:
 
 from zenflow_triton.kernels.triton_ops import TRITON_OPS  # noqa: E402
 
+from .support.helpers import tree_env  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 1x1; odd width with a single row block; many rows, few columns (row-split reduction, 33
@@ -419,7 +421,7 @@ def test_kernels_import_without_triton():
             print("OK")
     """)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=tree_env())
     assert res.returncode == 0 and res.stdout.strip() == "OK", res.stderr[-2000:]
 
 
@@ -548,7 +550,7 @@ def test_adamw_multi_promises_alignment_only_when_the_host_checked_it():
     from zenflow_triton.kernels import _launch
     from zenflow_triton.kernels.adamw import adamw_multi, adamw_ref
 
-    from .specialisations import recording
+    from .support.specialisations import recording
 
     def flag(ps):
         gs = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) for p in ps]

@@ -33,7 +33,7 @@ def _nvidia_backend() -> tuple[bool, str]:
 @pytest.mark.skipif(not _nvidia_backend()[0], reason=_nvidia_backend()[1])
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_compile_check.py")],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_compile_check.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     fails = [line for line in out.splitlines() if line.startswith("FAIL")]
@@ -45,7 +45,7 @@ def test_i32_products_flags_runtime_sizes_only():
     """The IR rule ``gpu_compile_check.py`` applies to every compiled variant: an i32
     product of a kernel argument, or of an integer loaded from a table, is flagged (scalar
     or tensor); one of constants and the program id only is not, nor an i64 product."""
-    from .ir_checks import i32_products
+    from .support.ir_checks import i32_products
 
     ir = """
   tt.func public @k(%p: !tt.ptr<f32> loc("p"(#loc)), %rows: i32 loc("rows"(#loc))) {
@@ -70,7 +70,7 @@ def test_lanes_across_rows_flags_warps_that_do_not_walk_a_row():
     2-D access whose layout puts a warp's lanes along the last dimension (order [1, 0], 32
     or at least 8 elements of a row) passes; lanes across rows (order [0, 1], or 1 element
     of each of 32 rows) are flagged; 1-D accesses are not 2-D tiles."""
-    from .ir_checks import lanes_across_rows
+    from .support.ir_checks import lanes_across_rows
 
     ir = """
 #blocked = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [2, 2], order = [1, 0]}>

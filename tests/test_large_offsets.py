@@ -44,7 +44,7 @@ def sent(monkeypatch):
 def test_multi_tensor_tables_past_2_31(sent):
     from zenflow_triton.kernels import adamw, selective_adamw_multi
 
-    from .specialisations import recording
+    from .support.specialisations import recording
 
     meta = torch.device("meta")
     p = torch.empty(ROWS, COLS, dtype=torch.bfloat16, device=meta)
@@ -83,7 +83,7 @@ def test_single_param_kernels_take_i64_sizes():
     view launches with its sizes as given."""
     from zenflow_triton.kernels import adamw, columns
 
-    from .specialisations import recording
+    from .support.specialisations import recording
 
     meta = torch.device("meta")
     flat = torch.empty(BIG, dtype=torch.bfloat16, device=meta)

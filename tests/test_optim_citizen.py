@@ -13,8 +13,8 @@ from zenflow_triton import OptimizerFailedError, ZenFlowOptimizer
 from zenflow_triton.host import adamw as host_adamw
 from zenflow_triton.host.worker import HostWorker
 
-from .helpers import (assert_trajectories_close, batches, loss_fn, make_model, param_groups,
-                      params_of, train)
+from .support.helpers import (assert_trajectories_close, batches, loss_fn, make_model,
+                              param_groups, params_of, train, tree_env)
 
 CFG = dict(topk_ratio=0.2, update_interval=2, select_interval=4, min_offload_numel=64)
 
@@ -460,6 +460,6 @@ from autotune import cli
 sys.exit(cli.main(["run", "--quick"]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=tree_env())
     assert out.returncode == 1, out.stderr
     assert "zenflow-triton[tune]" in out.stderr

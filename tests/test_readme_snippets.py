@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from .support.helpers import tree_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CHECKS = {
@@ -101,7 +103,7 @@ def run_snippet(name: str, tmp_path: Path) -> None:
             + "\n# ---- checks (tests/test_readme_snippets.py)\n" + CHECKS[name])
     script = tmp_path / f"snippet_{name.replace('-', '_')}.py"  # not a package name
     script.write_text(code)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    env = tree_env(HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -24,7 +24,7 @@ MULTI = ("scatter_multi._scatter_columns_multi_kernel",
 
 
 def _keys(run):
-    from .specialisations import recording
+    from .support.specialisations import recording
     with recording() as rec:
         run()
     return rec
@@ -59,7 +59,7 @@ def test_launchers_key_by_shape_not_by_counts():
 
 
 def _explain(rec) -> str:
-    from .specialisations import describe, package_kernels
+    from .support.specialisations import describe, package_kernels
     kernels = package_kernels()
     return "\n".join(f"{name}: {describe(key, kernels[name])}"
                      for name, c in rec.keys.items() for key in c)
@@ -72,7 +72,7 @@ def test_a_run_compiles_per_class_not_per_step():
     columns move.) No kernel gets a new key after step 50, and each has at most one key per
     class: a per-param kernel one per split matrix shape, a multi-tensor kernel one per param
     group (its tile follows the group's largest shape)."""
-    from .specialisations import recording
+    from .support.specialisations import recording
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 24),
@@ -119,7 +119,7 @@ def test_no_kernel_is_autotuned():
     the change makes those two decisions."""
     from triton.runtime.autotuner import Autotuner, Heuristics
 
-    from .specialisations import package_kernels
+    from .support.specialisations import package_kernels
 
     kernels = package_kernels()
     assert len(kernels) >= 9, sorted(kernels)

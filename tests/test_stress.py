@@ -14,9 +14,9 @@ import torch
 
 from zenflow_triton import ZenFlowOptimizer
 
-from .helpers import (FeedModel, GradFeed, assert_trajectories_close, param_groups, params_of,
-                      warmup_lambda)
-from . import reference
+from .support.helpers import (FeedModel, GradFeed, assert_trajectories_close, param_groups,
+                              params_of, warmup_lambda)
+from .support import reference
 
 STEPS = 40
 LR = 1e-2

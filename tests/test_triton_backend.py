@@ -10,8 +10,8 @@ import torch
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.kernels import triton_available
 
-from .helpers import (FeedModel, GradFeed, assert_trajectories_close, fp32_masters,
-                      param_groups, params_of, train_feed)
+from .support.helpers import (FeedModel, GradFeed, assert_trajectories_close, fp32_masters,
+                              param_groups, params_of, train_feed)
 
 pytestmark = pytest.mark.skipif(not triton_available()[0], reason=triton_available()[1])
 

@@ -31,7 +31,8 @@ from typing import Iterable
 import torch
 
 from .config import DEFAULT_MIN_OFFLOAD_NUMEL
-from .columns.selection import num_selected
+from .columns.selection import num_selected, select_columns
+from .kernels import TORCH_OPS
 from .columns.layout import view2d
 
 
@@ -85,11 +86,10 @@ class GradientDiagnostics:
         for i, (p, layer) in enumerate(zip(self._params, self.layers)):
             if p.grad is None:
                 continue
-            g = view2d(p.grad).float()
-            scores = g.square().sum(0) if self.score == "l2" else g.abs().sum(0)
+            # The optimizer's own rule: its column score, its pick (ties to the lower index).
+            scores = TORCH_OPS.column_scores(view2d(p.grad), self.score)
             total = scores.sum().item()
-            # Ties to the lower index, as the optimizer's selection.
-            top = torch.sort(scores, descending=True, stable=True).indices[:layer.k]
+            top = select_columns(scores, layer.k)
             layer.energy_share.append(scores[top].sum().item() / total if total > 0 else 0.0)
             chosen = torch.zeros(layer.cols, dtype=torch.bool, device=scores.device)
             chosen[top] = True

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from tests.helpers import batches, make_model, param_groups, params_of, train
+from tests.support.helpers import batches, make_model, param_groups, params_of, train
 from zenflow_triton import ZenFlowOptimizer
 
 CFG = dict(topk_ratio=0.2, update_interval=4, select_interval=8, min_offload_numel=64)

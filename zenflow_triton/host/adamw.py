@@ -68,9 +68,8 @@ PIECES_PER_THREAD = 4
 STREAM_PIECE = 1 << 19
 """Most elements of a piece whose gradient a ``PieceIO.load`` brings: the worker's scratch
 (2 MiB) then stays in cache between the copy and the kernel, so the copy costs about one
-extra read instead of a round trip through memory. Measured on the 2-core CI machine (1 MiB
-L2 per core, 32 MiB L3), ZeRO-Offload mode, 100.7M params: the host job took 117-158 ms
-at 2^19, 143-153 ms at 2^18, 141-158 ms at 2^20, 161 ms at 2^21 (plain AdamW: ~85 ms)."""
+extra read instead of a round trip through memory (the measurement behind the size:
+docs/host.md, "Streamed pieces")."""
 
 _POLL_S = 0.1
 TIMEOUT_GRACE_S = 0.25

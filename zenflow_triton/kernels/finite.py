@@ -3,9 +3,9 @@
 ``nonfinite_flags(grads) -> bool [len(grads)]`` on the gradients' device (all on one device).
 Each gradient's 2-norm is NaN when it holds a NaN and inf when it holds an inf. torch's
 ``_foreach_norm`` reduces a whole list in one multi-tensor kernel on CUDA (and is the
-fastest of the foreach reductions on CPU: measured 3.5 ms for 21M fp32 elements, against 28
-ms for the inf-norm), so the cost does not grow with the number of params; the caller reads
-the flag vector once per step.
+fastest of the foreach reductions on CPU: docs/status.md, "Measurements behind constants"),
+so the cost does not grow with the number of params; the caller reads the flag vector once
+per step.
 
 A finite gradient can still overflow a sum of squares (an element above ~1.8e19 in fp32 or
 bf16): the norm then says inf, so every flagged gradient is checked exactly before it is

@@ -1,6 +1,6 @@
 """Compile every Triton kernel of the package for a Hopper GPU (sm_90), without a GPU.
 
-Run as a script (``python tests/gpu_compile_check.py``) with TRITON_INTERPRET unset: the CPU
+Run as a script (``python tests/gpu/gpu_compile_check.py``) with TRITON_INTERPRET unset: the CPU
 tests run the kernels in Triton's interpreter, which accepts code that the compiler refuses
 (types, pointer casts, constexpr use); this catches that here. ``triton.compile`` with a
 ``GPUTarget`` needs the CUDA toolchain bundled in Triton's wheel, not a device. Prints one
@@ -24,14 +24,13 @@ import sys
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any @triton.jit runs
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout under test
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ir_checks import i32_products, lanes_across_rows, vector_accesses  # noqa: E402
+from tests.support.ir_checks import i32_products, lanes_across_rows, vector_accesses  # noqa: E402
 from zenflow_triton.kernels import (accumulate, adamw, column_scores, columns,  # noqa: E402
                                     scatter_multi, selective_adamw, selective_adamw_multi)
 

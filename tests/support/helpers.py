@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -236,3 +238,15 @@ def fp32_masters(opt, params) -> list[torch.Tensor]:
         else:
             out.append(p.detach().float().cpu().clone())
     return out
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tree_env(**extra: str) -> dict[str, str]:
+    """This environment for a child process, with the checkout under test first on its
+    PYTHONPATH: the child imports this tree's zenflow_triton, not whatever is installed (a
+    venv of another checkout would otherwise test that one)."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env

@@ -1,0 +1,1 @@
+"""Scripts that need a GPU (run by bench/gpu_check.sh where one is at hand)."""
