@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from .defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
+from .names import code_key, slug
 
 EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -242,26 +242,6 @@ def _check_device_exists(dev: "torch.device") -> None:
                              "device(s) here")
 
 
-def code_key() -> str:
-    """8 hex digits that change with anything that changes a study's numbers: the source of
-    zenflow_triton and autotune, the torch version and torch's thread count."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256(f"{torch.__version__}|{torch.get_num_threads()}".encode())
-    root = Path(__file__).resolve().parents[1]
-    for pkg in ("zenflow_triton", "autotune"):
-        for f in sorted((root / pkg).rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:8]
-
-
-def _slug(s: str) -> str:
-    return re.sub(r"[^a-z0-9._-]+", "-", s.lower()).strip("-.")[:60] or "study"
-
-
 # ---- commands -------------------------------------------------------------------------
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import time
@@ -328,12 +308,14 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not 0 < args.prune_ratio < 1:
         raise UsageError(f"--prune-ratio must be in (0, 1), got {args.prune_ratio}")
     hw = detect()
-    base_name = f"{hardware_slug(hw)}-{_slug(wl_name)}" + ("-quick" if args.quick else "")
+    base_name = (f"{hardware_slug(hw)}-{slug(wl_name, 60, fallback='study')}"
+                 + ("-quick" if args.quick else ""))
     # A default study is keyed by what changes its numbers: this code, torch, the threads.
     study_name = args.study or f"{base_name}-{code_key()}"
     profile_name = None
     if not args.no_profile:
-        profile_name = args.profile or _slug(base_name)  # the latest tuning of this workload
+        # the latest tuning of this workload
+        profile_name = args.profile or slug(base_name, 60, fallback="study")
         try:
             validate_name(profile_name)
         except ProfileError as e:
@@ -534,7 +516,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
         st = S.open_study(name, storage, create=False)
     except KeyError:
         raise RuntimeError(f"no study named {name!r} in {S.redact_url(url)}") from None
-    out = Path(args.out) if args.out else S.data_dir() / "plots" / _slug(name)
+    out = (Path(args.out) if args.out
+           else S.data_dir() / "plots" / slug(name, 60, fallback="study"))
     try:
         paths = plot_study(st, out)
     except MissingDependency as e:

@@ -29,7 +29,6 @@ import datetime as _dt
 import hashlib
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,7 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
 
 from . import stepmodel as M
+from .names import slug
 from .space import apply_delay_for, delay_steps
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
                         quality_limit, set_quality_constraint, train_and_measure)
@@ -186,8 +186,7 @@ def quality_study_name(ts: TuneSettings) -> str:
     """``quality-<workload>-<hash of the objective>``: one study per objective, shared by
     every hardware profile and model."""
     digest = hashlib.sha1(json.dumps(ts.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
-    slug = re.sub(r"[^a-z0-9._-]+", "-", ts.workload.lower()).strip("-.")[:40] or "workload"
-    return f"quality-{slug}-{digest}"
+    return f"quality-{slug(ts.workload, 40, fallback='workload')}-{digest}"
 
 
 def _grid_trials(study: optuna.Study) -> list[FrozenTrial]:
@@ -613,7 +612,7 @@ def default_save_name(profile: str, model: str, gpus: int, tokens: int | None) -
         name += f"-{gpus}gpu"
     if tokens and tokens != M.DEFAULT_TOKENS:
         name += f"-{tokens}tok"
-    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.")[:64]
+    return slug(name, 64)
 
 
 def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
