@@ -253,11 +253,11 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from zenflow_triton.profiles import validate_name, ProfileError
 
     from . import study as S
-    from .hardware import detect, hardware_slug
+    from .detect import detect, hardware_slug
     from .objective import TuneSettings, guard_summary
     from .space import SearchSpace
-    from .workload import WorkloadError, load_workload_factory
-    from .workload import prepare as prepare_workload
+    from .training import WorkloadError, load_workload_factory
+    from .training import prepare as prepare_workload
 
     if not args.verbose:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -463,7 +463,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from .hardware import detect, host_adam_settings, measure_host_adam
+    from .detect import detect, host_adam_settings, measure_host_adam
 
     info = detect()
     if args.measure:
@@ -541,14 +541,14 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     from zenflow_triton.diagnostics import GradientDiagnostics, kind_table
 
-    from .workload import WorkloadError, build_workload, load_workload_factory
+    from .training import WorkloadError, build_workload, load_workload_factory
 
     if not 0.0 < args.topk_ratio < 1.0:
         raise UsageError(f"--topk-ratio must be in (0, 1), got {args.topk_ratio}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         if args.workload == "smollm2":
-            from .workload import smollm2
+            from .training import smollm2
             name, factory = "smollm2", smollm2
         else:
             name, factory = load_workload_factory(args.workload)
@@ -593,7 +593,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile)  # unknown: ProfileNotFoundError names the known ones
     measured = None
     if args.measure_host:
-        from .hardware import measure_host_adam
+        from .detect import measure_host_adam
 
         measured = measure_host_adam()
     hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=measured)

@@ -175,7 +175,7 @@ def default_quality_settings(**overrides: Any) -> tuple[Callable[..., Any], Tune
     """The factory and :class:`TuneSettings` of the default quality study: the embedded
     workload (``load_workload_factory(None)``) with the default objective (lr, steps,
     loss_margin...: ``TuneSettings``' defaults) on the CPU, unless overridden."""
-    from .workload import load_workload_factory
+    from .training import load_workload_factory
 
     name, factory = load_workload_factory(overrides.pop("workload", None))
     overrides.setdefault("device", "cpu")
@@ -473,7 +473,7 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
 
 
 def _versions() -> dict[str, str]:
-    from .hardware import versions
+    from .detect import versions
 
     return versions()
 
@@ -625,8 +625,8 @@ def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
     from zenflow_triton.profiles import ProfileError, ProfileNotFoundError
 
     from .study import default_storage_url, redact_url
-    from .workload import WorkloadError, load_workload_factory
-    from .workload import prepare as prepare_workload
+    from .training import WorkloadError, load_workload_factory
+    from .training import prepare as prepare_workload
 
     if not args.profile or not args.model:
         missing = " and ".join(o for o, v in (("--profile NAME", args.profile),

@@ -34,7 +34,7 @@ from typing import Any
 
 from zenflow_triton import ZenFlowConfig
 
-from .hardware import usable_cpus
+from .detect import usable_cpus
 
 __all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES", "apply_delay_for",
            "delay_steps"]

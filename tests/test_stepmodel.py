@@ -592,7 +592,7 @@ def test_cli_predict_bad_names_exit_2_naming_the_choices(argv, names, capsys):
 
 
 def test_cli_predict_measure_host_uses_the_measured_rate(capsys, monkeypatch):
-    import autotune.hardware as H
+    import autotune.detect as H
 
     args = ["predict", "--profile", "h100-pcie5", "--model", "opt-350m", "--json"]
     assert cli.main(args) == 0
@@ -606,7 +606,7 @@ def test_cli_predict_measure_host_uses_the_measured_rate(capsys, monkeypatch):
 
 
 def test_a_gh200_is_detected_as_gh200_not_h200():
-    from autotune.hardware import matching_builtin
+    from autotune.detect import matching_builtin
 
     assert matching_builtin({"accelerators": [{"name": "NVIDIA GH200 480GB"}]}) == "gh200"
     assert matching_builtin({"accelerators": [{"name": "NVIDIA H200"}]}) == "h200-sxm"

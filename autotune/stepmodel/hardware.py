@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..hardware import usable_cpus
+from ..detect import usable_cpus
 from .base import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE,
                    DEFAULT_HOST_CORES_PER_ACCELERATOR, HOST_ADAM_BYTES_PER_ELEMENT,
                    HOST_MEMORY_EFFICIENCY, StepModelError)

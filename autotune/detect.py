@@ -1,4 +1,6 @@
-"""What hardware the tuner sees (``zenflow-tune detect``) and which built-in profile it matches."""
+"""What hardware the tuner sees (``zenflow-tune detect``) and which built-in profile it matches,
+and how fast this machine's host AdamW runs. (A hardware profile's facts, as the step-time
+model reads them, are :class:`autotune.stepmodel.Hardware`.)"""
 
 from __future__ import annotations
 
