@@ -40,6 +40,7 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
 
 from . import stepmodel as M
+from .detect import versions
 from .names import slug
 from .space import apply_delay_for, delay_steps
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
@@ -375,13 +376,6 @@ def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None) ->
         raise ModelledError(str(e)) from None
 
 
-def _base_settings(prof: Profile) -> dict[str, Any]:
-    """The hardware profile's settings (the grid point overrides the quality ones; the rest,
-    e.g. ``accumulate_on``, ``chunk_size``, ``host_threads``, are kept as the profile has
-    them, in its order)."""
-    return dict(prof.settings)
-
-
 def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: int = 1,
                 base_settings: dict[str, Any] | None = None) -> list[ModelledRow]:
     """Every grid point with its modelled zenflow step (mode ``"zenflow"``, the point's
@@ -454,7 +448,9 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
     grid.points()  # validate before training
     store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
                              study_name=study_name, log=log, **grid_kw)
-    base = _base_settings(prof)
+    # the grid point overrides the profile's quality settings; the rest (accumulate_on,
+    # chunk_size, host_threads...) are kept as the profile has them, in its order
+    base = dict(prof.settings)
     rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base)
     eligible = [r for r in rows if r.eligible]
     zo = M.predict(hw, wl, "zero-offload", gpus=gpus, config=M.zenflow_config(base))
@@ -470,12 +466,6 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         out.profile = modelled_profile(out, save_as)
         out.profile_path = save_profile(out.profile, profile_dir)
     return out
-
-
-def _versions() -> dict[str, str]:
-    from .detect import versions
-
-    return versions()
 
 
 def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
@@ -531,7 +521,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
             "fit": sum(r.fits for r in out.rows),
             "quality_trial": best.point.trial,
         },
-        "versions": _versions(),
+        "versions": versions(),
         "note": ("Settings chosen by zenflow-tune's modelled objective: the fastest grid "
                  "point by the step-time model (autotune/stepmodel.py; a prediction, not a "
                  "measurement on this hardware) among those whose held-out loss on the "

@@ -36,8 +36,7 @@ from zenflow_triton import ZenFlowConfig
 
 from .detect import usable_cpus
 
-__all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES", "apply_delay_for",
-           "delay_steps"]
+__all__ = ["SearchSpace", "HOST_LR_RULES", "apply_delay_for", "delay_steps"]
 
 HOST_LR_RULES = ("adaptive", "power")
 
@@ -170,7 +169,3 @@ class SearchSpace:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def default_settings() -> dict[str, Any]:
-    return ZenFlowConfig().to_dict()
