@@ -50,8 +50,8 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
            "QualityStore", "ModelledRow", "ModelledOutcome", "ModelledError",
            "default_quality_settings", "quality_study_name", "run_quality_grid",
            "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
-           "QUALITY_KEYS", "guard_line", "cli_run_modelled", "modelled_provenance",
-           "default_save_name"]
+           "QUALITY_KEYS", "guard_line", "modelled_provenance", "default_save_name",
+           "load_hardware"]
 
 QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
@@ -355,8 +355,10 @@ class ModelledRow:
         return self.prediction.modelled_step_time_s
 
 
-def _hardware(profile: Any, host_adam_elements_per_s: float | None = None
-              ) -> tuple[Profile, M.Hardware]:
+def load_hardware(profile: str | Profile, host_adam_elements_per_s: float | None = None
+                  ) -> tuple[Profile, M.Hardware]:
+    """The profile (by name, or as given) and its facts as the step model reads them;
+    :class:`ModelledError` for a profile without the accelerator facts (``cpu``)."""
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=host_adam_elements_per_s)
     try:
@@ -437,7 +439,7 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         raise ModelledError(f"gpus must be an int >= 1, got {gpus!r}")
     if mfu is not None and not 0 < mfu <= 1:
         raise ModelledError(f"mfu must be in (0, 1], got {mfu}")
-    prof, hw = _hardware(profile, host_adam_elements_per_s)
+    prof, hw = load_hardware(profile, host_adam_elements_per_s)
     wl = _workload(model, tokens, mfu)
     if save_as is not None:
         validate_name(save_as)
@@ -591,125 +593,12 @@ def guard_line(store: QualityStore) -> str:
     return guard_summary(store.reference, store.settings.loss_margin)
 
 
-# ---- the CLI (``zenflow-tune run --objective modelled``) ------------------------------------
-MEASURED_ONLY = ("quick", "n_trials", "timeout", "max_host_threads")
-"""``run`` options that mean nothing to the modelled objective (its grid is fixed)."""
-
-
 def default_save_name(profile: str, model: str, gpus: int, tokens: int | None) -> str:
+    """The profile a modelled run saves by default: ``<profile>-<model>``, with the GPUs and
+    tokens when not the defaults (a built-in is not shadowed by accident)."""
     name = f"{profile}-{model}"
     if gpus != 1:
         name += f"-{gpus}gpu"
     if tokens and tokens != M.DEFAULT_TOKENS:
         name += f"-{tokens}tok"
     return slug(name, 64)
-
-
-def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
-    """``zenflow-tune run --objective modelled``: ``--profile`` is the hardware profile to
-    model, ``--model`` the preset; the result is saved as ``--save-as`` (default
-    ``<profile>-<model>``, so a built-in is not shadowed by accident) unless ``--no-profile``.
-    Raises ``usage`` for a bad combination of options (exit 1)."""
-    import sys
-
-    from zenflow_triton.profiles import ProfileError, ProfileNotFoundError
-
-    from .study import default_storage_url, redact_url
-    from .training import WorkloadError, load_workload_factory
-    from .training import prepare as prepare_workload
-
-    if not args.profile or not args.model:
-        missing = " and ".join(o for o, v in (("--profile NAME", args.profile),
-                                               ("--model PRESET", args.model)) if not v)
-        raise usage(f"--objective modelled needs {missing} (the hardware profile to model "
-                    f"and a model preset: {', '.join(sorted(M.PRESETS))})")
-    given = [o for o in MEASURED_ONLY if getattr(args, o, None) not in (None, False)]
-    if given:
-        opts = ", ".join("--" + o.replace("_", "-") for o in given)
-        raise usage(f"{opts}: only for --objective measured (the modelled objective trains "
-                    "a fixed quality grid; see --topk-grid and --interval-grid)")
-    if args.model not in M.PRESETS:
-        raise usage(f"--model: unknown model preset {args.model!r}; valid presets: "
-                    f"{', '.join(sorted(M.PRESETS))}")
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        raise usage(f"--mfu must be in (0, 1], got {args.mfu}")
-    try:
-        prof, _ = _hardware(args.profile)
-    except ProfileNotFoundError as e:
-        raise usage(f"--profile: {e}") from None
-    except (ModelledError, ProfileError) as e:
-        raise usage(f"--profile {args.profile!r}: {e}") from None
-    save_as = None
-    if not args.no_profile:
-        save_as = args.save_as or default_save_name(prof.name, args.model, args.gpus,
-                                                    args.tokens)
-        try:
-            validate_name(save_as)
-        except ProfileError as e:
-            raise usage(f"--save-as: {e}") from None
-    try:
-        wl_name, factory = load_workload_factory(args.workload)
-    except WorkloadError as e:
-        raise usage(f"--workload: {e}") from None
-    over = {k: getattr(args, k) for k in ("steps", "skip_steps", "lr", "seed", "loss_margin",
-                                          "device") if getattr(args, k) is not None}
-    if "steps" in over and "skip_steps" not in over:
-        over["skip_steps"] = min(TuneSettings().skip_steps, max(0, over["steps"] // 5))
-    from .cli import float_list
-
-    try:
-        _, ts = default_quality_settings(workload=args.workload, **over)
-        grid_kw: dict[str, Any] = {}
-        if args.topk_grid:
-            grid_kw["topk_ratios"] = float_list(args.topk_grid, "--topk-grid", usage)
-        if args.interval_grid:
-            ints = float_list(args.interval_grid, "--interval-grid", usage)
-            if any(v != int(v) for v in ints):
-                raise usage(f"--interval-grid: expected integers, got {args.interval_grid!r}")
-            grid_kw["update_intervals"] = tuple(int(v) for v in ints)
-        if args.delay_grid:
-            grid_kw["apply_delays"] = float_list(args.delay_grid, "--delay-grid", usage)
-        grid = QualityGrid(**grid_kw)
-        grid.points()
-    except (ValueError, ModelledError) as e:
-        raise usage(str(e)) from None
-    try:  # once per machine, before any grid point trains
-        prepare_workload(wl_name, log=lambda m: print(m, flush=True))
-    except WorkloadError as e:
-        raise usage(f"--workload: {e}") from None
-    storage_url = args.storage or default_storage_url()
-    print(f"modelled objective: {args.model} on {prof.name!r} ({args.gpus} GPU(s), "
-          f"{args.tokens or M.DEFAULT_TOKENS} tokens/GPU/step), speed from the step model; "
-          f"quality measured on {wl_name!r} ({ts.device}) in {redact_url(storage_url)}",
-          flush=True)
-    kw: dict[str, Any] = {}
-    if args.heartbeat_interval:
-        kw["heartbeat_interval"] = args.heartbeat_interval
-    if args.grace_period:
-        kw["grace_period"] = args.grace_period
-    out = run_modelled(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
-                       mfu=args.mfu, factory=factory, ts=ts, grid=grid,
-                       storage_url=storage_url, study_name=args.study, save_as=save_as,
-                       log=lambda m: print(m, flush=True), **kw)
-    print()
-    print(guard_line(out.store))
-    print(format_modelled_table(out, top=args.top))
-    if out.best is None:
-        why = ("no grid point fits in device memory" if not any(r.fits for r in out.rows)
-               else "no feasible grid point fits in device memory" if out.store.n_feasible
-               else "every grid point missed the quality guard")
-        print(f"\n{why}: nothing saved. Try a smaller --model, more --gpus, a finer grid, "
-              "or a looser --loss-margin.", file=sys.stderr)
-        return 2
-    b = out.best
-    print(f"\nchosen: topk_ratio={b.point.settings['topk_ratio']:g}, update_interval="
-          f"{b.point.settings['update_interval']}, select_interval="
-          f"{b.point.settings['select_interval']}, apply_delay="
-          f"{b.point.settings.get('apply_delay')}: {b.throughput:,.0f} tokens/s per GPU "
-          f"(modelled, {b.step_time_s:.3f} s/step, stall {b.prediction.stall_fraction:.0%})")
-    if out.profile_path is not None:
-        print(f"saved profile {out.profile.name!r} to {out.profile_path}")
-        print("use it:")
-        print(f'    opt = ZenFlowOptimizer.from_profile("{out.profile.name}", '
-              "model.parameters(), lr=...)")
-    return 0
