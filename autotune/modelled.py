@@ -40,6 +40,7 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
 
 from . import stepmodel as M
+from . import study as S
 from .detect import versions
 from .names import slug
 from .space import apply_delay_for, delay_steps
@@ -203,8 +204,6 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
     of ``ts.steps`` steps of ``factory``'s workload, from ``ts.seed``); return every point's
     result. A point whose run is RUNNING in another process is waited for (a killed one
     becomes FAIL after the heartbeat grace period and is trained again here)."""
-    from . import study as S
-
     grid = grid or QualityGrid()
     points = grid.points()
     name = study_name or quality_study_name(ts)
@@ -213,7 +212,24 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         kw["heartbeat_interval"] = heartbeat_interval
     if grace_period:
         kw["grace_period"] = grace_period
-    storage = S.make_storage(storage_url, **kw)
+    study, ts, reference = _open_quality_study(name, factory, ts, S.make_storage(storage_url,
+                                                                                 **kw), log)
+    limit = quality_limit(float(reference["heldout_loss"]), ts.loss_margin)
+    wanted = {point_key(p): p for p in points}
+    progress = _GridProgress(log, limit)
+    _train_missing(study, wanted, _grid_objective(factory, ts, limit), progress, log,
+                   ts.steps)
+    return QualityStore(study_name=name, storage=S.redact_url(storage_url
+                                                              or S.default_storage_url()),
+                        settings=ts, reference=dict(reference), limit=limit,
+                        points=_stored_points(study, wanted), trials_run=progress.ran)
+
+
+def _open_quality_study(name: str, factory: Callable[..., Any], ts: TuneSettings,
+                        storage: Any, log: Callable[[str], None]
+                        ) -> tuple[optuna.Study, TuneSettings, dict[str, Any]]:
+    """The quality study (created when new), its objective (``ts``, checked against a stored
+    one) and its AdamW reference (measured once, then stored)."""
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
                                 sampler=optuna.samplers.RandomSampler(seed=0),
                                 load_if_exists=True)
@@ -226,10 +242,13 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         log(f"Measuring the AdamW reference ({ts.steps} steps of {ts.workload!r})...")
         reference = measure_reference(factory, ts)
         study.set_user_attr("reference", reference)
-    limit = quality_limit(float(reference["heldout_loss"]), ts.loss_margin)
-    wanted = {point_key(p): p for p in points}
-    ran = {"n": 0}
-    started = {"t": time.perf_counter()}
+    return study, ts, reference
+
+
+def _grid_objective(factory: Callable[..., Any], ts: TuneSettings,
+                    limit: float) -> Callable[[optuna.Trial], float]:
+    """One grid point's training run (its settings in the trial's ``grid_key``), judged by
+    the quality guard; the value is the held-out loss."""
 
     def objective(trial: optuna.Trial) -> float:
         from zenflow_triton import ZenFlowOptimizer
@@ -260,10 +279,21 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         trial.set_user_attr("unit", res.unit)
         return DIVERGED_VIOLATION if res.diverged else res.heldout_loss
 
-    def progress(st: optuna.Study, tr: FrozenTrial) -> None:
+    return objective
+
+
+class _GridProgress:
+    """A ``log`` line per finished grid point, and how many were trained (``ran``)."""
+
+    def __init__(self, log: Callable[[str], None], limit: float) -> None:
+        self.log, self.limit = log, limit
+        self.ran = 0
+        self.started = time.perf_counter()
+
+    def __call__(self, st: optuna.Study, tr: FrozenTrial) -> None:
         if "grid_key" not in tr.user_attrs:
             return
-        ran["n"] += 1
+        self.ran += 1
         s = json.loads(tr.user_attrs["grid_key"])
         head = (f"quality point topk_ratio={s['topk_ratio']:g} "
                 f"update_interval={s['update_interval']}"
@@ -272,11 +302,19 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
             loss = tr.user_attrs.get("heldout_loss")
             verdict = "feasible" if tr.user_attrs.get("feasible") else (
                 "diverged" if tr.user_attrs.get("diverged") else "infeasible")
-            log(head + (f"held-out loss {loss:.4f} " if loss is not None else "") +
-                f"(limit {limit:.4f}) {verdict}  [{time.perf_counter() - started['t']:.0f} s]")
+            self.log(head + (f"held-out loss {loss:.4f} " if loss is not None else "") +
+                     f"(limit {self.limit:.4f}) {verdict}  "
+                     f"[{time.perf_counter() - self.started:.0f} s]")
         else:
-            log(head + f"{tr.state.name.lower()}: {tr.user_attrs.get('error', 'see log')}")
+            self.log(head + f"{tr.state.name.lower()}: {tr.user_attrs.get('error', 'see log')}")
 
+
+def _train_missing(study: optuna.Study, wanted: dict[str, dict[str, Any]],
+                   objective: Callable[[optuna.Trial], float], progress: _GridProgress,
+                   log: Callable[[str], None], steps: int) -> None:
+    """Enqueue and train the wanted points the study lacks, until each has a complete run;
+    points RUNNING in another process are waited for. A point whose run raised
+    :data:`MAX_ATTEMPTS` times stops it (RuntimeError)."""
     announced = False
     while True:
         trials = _grid_trials(study)
@@ -292,15 +330,15 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
             if len(failed.get(k, [])) >= MAX_ATTEMPTS:
                 err = failed[k][-1].user_attrs.get("error", "unknown error")
                 raise RuntimeError(f"quality grid point {k} failed {MAX_ATTEMPTS} times in "
-                                   f"study {name!r}; last error: {err}")
+                                   f"study {study.study_name!r}; last error: {err}")
         todo = len(wanted.keys() - done)
         if todo and not announced:
             announced = True
             stored = len(done & wanted.keys())
-            log(f"quality study {name!r}: " + (f"{stored} of {len(wanted)} grid points "
-                                              f"stored, training the {todo} missing"
-                                              if stored else f"training {todo} grid point(s)")
-                + f", {ts.steps} steps each")
+            log(f"quality study {study.study_name!r}: "
+                + (f"{stored} of {len(wanted)} grid points stored, training the {todo} missing"
+                   if stored else f"training {todo} grid point(s)")
+                + f", {steps} steps each")
         for k in missing:
             study.enqueue_trial({}, user_attrs={"grid_key": k})
         waiting = [t for t in _grid_trials(study) if t.state == TrialState.WAITING
@@ -316,6 +354,9 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         time.sleep(1.0)  # another process is training these points (or died: fail_stale)
         S.fail_stale(study)
 
+
+def _stored_points(study: optuna.Study, wanted: dict[str, dict[str, Any]]) -> list[QualityPoint]:
+    """Every wanted point's result: the latest complete run of each."""
     by_key: dict[str, FrozenTrial] = {}
     for t in _grid_trials(study):
         if t.state == TrialState.COMPLETE and t.user_attrs["grid_key"] in wanted:
@@ -328,10 +369,7 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
             "heldout_loss"), violation=v, feasible=v <= 0,
             diverged=bool(t.user_attrs.get("diverged")), trial=t.number,
             cpu_throughput=t.user_attrs.get("cpu_throughput")))
-    return QualityStore(study_name=name, storage=S.redact_url(storage_url
-                                                              or S.default_storage_url()),
-                        settings=ts, reference=dict(reference), limit=limit, points=out,
-                        trials_run=ran["n"])
+    return out
 
 
 # ---- speed from the model, and the choice ---------------------------------------------------
