@@ -1,6 +1,6 @@
 """The step-time model's host update against this machine's: predicted vs measured.
 
-The model (autotune/stepmodel/host.py) times ZenFlow's host job at a window boundary as
+The model (autotune/stepmodel/step.py) times ZenFlow's host job at a window boundary as
 ``host-owned elements / host AdamW rate``. For the ``cpu`` profile the rate is a measurement
 on the machine it runs on: ``autotune.detect.measure_host_adam`` (the library's HostAdamW
 on one set of fp32 buffers of 2^24 elements, the optimizer's default threads and chunk size;
