@@ -304,7 +304,6 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return None
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:

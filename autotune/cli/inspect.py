@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..names import slug
-from . import EXIT_OK, UsageError, storage_exists, storage_url
+from . import EXIT_OK, UsageError, load_workload, storage_exists, storage_url
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -145,17 +145,16 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     from zenflow_triton.diagnostics import GradientDiagnostics, kind_table
 
-    from ..training import WorkloadError, build_workload, load_workload_factory
+    from ..training import WorkloadError, build_workload, smollm2
 
     if not 0.0 < args.topk_ratio < 1.0:
         raise UsageError(f"--topk-ratio must be in (0, 1), got {args.topk_ratio}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.workload == "smollm2":
+        name, factory = "smollm2", smollm2
+    else:
+        name, factory = load_workload(args.workload)
     try:
-        if args.workload == "smollm2":
-            from ..training import smollm2
-            name, factory = "smollm2", smollm2
-        else:
-            name, factory = load_workload_factory(args.workload)
         wl = build_workload(factory, seed=args.seed, device=device, name=name)
     except WorkloadError as e:
         raise UsageError(f"--workload: {e}") from e
