@@ -17,8 +17,8 @@ _WHERE = {"Objective": "objective", "TuneSettings": "objective",
           "SearchSpace": "space", "SlowTrialPruner": "study", "StudyMismatchError": "study",
           "data_dir": "study", "default_storage_url": "study", "feasible_trials": "study",
           "format_table": "study", "make_storage": "study", "profile_from_study": "study",
-          "run_study": "study", "Workload": "workload", "WorkloadError": "workload",
-          "load_workload_factory": "workload", "tiny_lm": "workload"}
+          "run_study": "study", "Workload": "training", "WorkloadError": "training",
+          "load_workload_factory": "training", "tiny_lm": "training"}
 
 
 def __getattr__(name: str):

@@ -29,7 +29,6 @@ import datetime as _dt
 import hashlib
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +40,9 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
 
 from . import stepmodel as M
+from . import study as S
+from .detect import versions
+from .names import slug
 from .space import apply_delay_for, delay_steps
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
                         quality_limit, set_quality_constraint, train_and_measure)
@@ -49,8 +51,8 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
            "QualityStore", "ModelledRow", "ModelledOutcome", "ModelledError",
            "default_quality_settings", "quality_study_name", "run_quality_grid",
            "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
-           "QUALITY_KEYS", "guard_line", "cli_run_modelled", "modelled_provenance",
-           "default_save_name"]
+           "QUALITY_KEYS", "guard_line", "modelled_provenance", "default_save_name",
+           "load_hardware"]
 
 QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
@@ -175,7 +177,7 @@ def default_quality_settings(**overrides: Any) -> tuple[Callable[..., Any], Tune
     """The factory and :class:`TuneSettings` of the default quality study: the embedded
     workload (``load_workload_factory(None)``) with the default objective (lr, steps,
     loss_margin...: ``TuneSettings``' defaults) on the CPU, unless overridden."""
-    from .workload import load_workload_factory
+    from .training import load_workload_factory
 
     name, factory = load_workload_factory(overrides.pop("workload", None))
     overrides.setdefault("device", "cpu")
@@ -186,8 +188,7 @@ def quality_study_name(ts: TuneSettings) -> str:
     """``quality-<workload>-<hash of the objective>``: one study per objective, shared by
     every hardware profile and model."""
     digest = hashlib.sha1(json.dumps(ts.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
-    slug = re.sub(r"[^a-z0-9._-]+", "-", ts.workload.lower()).strip("-.")[:40] or "workload"
-    return f"quality-{slug}-{digest}"
+    return f"quality-{slug(ts.workload, 40, fallback='workload')}-{digest}"
 
 
 def _grid_trials(study: optuna.Study) -> list[FrozenTrial]:
@@ -203,8 +204,6 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
     of ``ts.steps`` steps of ``factory``'s workload, from ``ts.seed``); return every point's
     result. A point whose run is RUNNING in another process is waited for (a killed one
     becomes FAIL after the heartbeat grace period and is trained again here)."""
-    from . import study as S
-
     grid = grid or QualityGrid()
     points = grid.points()
     name = study_name or quality_study_name(ts)
@@ -213,7 +212,24 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         kw["heartbeat_interval"] = heartbeat_interval
     if grace_period:
         kw["grace_period"] = grace_period
-    storage = S.make_storage(storage_url, **kw)
+    study, ts, reference = _open_quality_study(name, factory, ts, S.make_storage(storage_url,
+                                                                                 **kw), log)
+    limit = quality_limit(float(reference["heldout_loss"]), ts.loss_margin)
+    wanted = {point_key(p): p for p in points}
+    progress = _GridProgress(log, limit)
+    _train_missing(study, wanted, _grid_objective(factory, ts, limit), progress, log,
+                   ts.steps)
+    return QualityStore(study_name=name, storage=S.redact_url(storage_url
+                                                              or S.default_storage_url()),
+                        settings=ts, reference=dict(reference), limit=limit,
+                        points=_stored_points(study, wanted), trials_run=progress.ran)
+
+
+def _open_quality_study(name: str, factory: Callable[..., Any], ts: TuneSettings,
+                        storage: Any, log: Callable[[str], None]
+                        ) -> tuple[optuna.Study, TuneSettings, dict[str, Any]]:
+    """The quality study (created when new), its objective (``ts``, checked against a stored
+    one) and its AdamW reference (measured once, then stored)."""
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
                                 sampler=optuna.samplers.RandomSampler(seed=0),
                                 load_if_exists=True)
@@ -226,10 +242,13 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         log(f"Measuring the AdamW reference ({ts.steps} steps of {ts.workload!r})...")
         reference = measure_reference(factory, ts)
         study.set_user_attr("reference", reference)
-    limit = quality_limit(float(reference["heldout_loss"]), ts.loss_margin)
-    wanted = {point_key(p): p for p in points}
-    ran = {"n": 0}
-    started = {"t": time.perf_counter()}
+    return study, ts, reference
+
+
+def _grid_objective(factory: Callable[..., Any], ts: TuneSettings,
+                    limit: float) -> Callable[[optuna.Trial], float]:
+    """One grid point's training run (its settings in the trial's ``grid_key``), judged by
+    the quality guard; the value is the held-out loss."""
 
     def objective(trial: optuna.Trial) -> float:
         from zenflow_triton import ZenFlowOptimizer
@@ -260,10 +279,21 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         trial.set_user_attr("unit", res.unit)
         return DIVERGED_VIOLATION if res.diverged else res.heldout_loss
 
-    def progress(st: optuna.Study, tr: FrozenTrial) -> None:
+    return objective
+
+
+class _GridProgress:
+    """A ``log`` line per finished grid point, and how many were trained (``ran``)."""
+
+    def __init__(self, log: Callable[[str], None], limit: float) -> None:
+        self.log, self.limit = log, limit
+        self.ran = 0
+        self.started = time.perf_counter()
+
+    def __call__(self, st: optuna.Study, tr: FrozenTrial) -> None:
         if "grid_key" not in tr.user_attrs:
             return
-        ran["n"] += 1
+        self.ran += 1
         s = json.loads(tr.user_attrs["grid_key"])
         head = (f"quality point topk_ratio={s['topk_ratio']:g} "
                 f"update_interval={s['update_interval']}"
@@ -272,11 +302,19 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
             loss = tr.user_attrs.get("heldout_loss")
             verdict = "feasible" if tr.user_attrs.get("feasible") else (
                 "diverged" if tr.user_attrs.get("diverged") else "infeasible")
-            log(head + (f"held-out loss {loss:.4f} " if loss is not None else "") +
-                f"(limit {limit:.4f}) {verdict}  [{time.perf_counter() - started['t']:.0f} s]")
+            self.log(head + (f"held-out loss {loss:.4f} " if loss is not None else "") +
+                     f"(limit {self.limit:.4f}) {verdict}  "
+                     f"[{time.perf_counter() - self.started:.0f} s]")
         else:
-            log(head + f"{tr.state.name.lower()}: {tr.user_attrs.get('error', 'see log')}")
+            self.log(head + f"{tr.state.name.lower()}: {tr.user_attrs.get('error', 'see log')}")
 
+
+def _train_missing(study: optuna.Study, wanted: dict[str, dict[str, Any]],
+                   objective: Callable[[optuna.Trial], float], progress: _GridProgress,
+                   log: Callable[[str], None], steps: int) -> None:
+    """Enqueue and train the wanted points the study lacks, until each has a complete run;
+    points RUNNING in another process are waited for. A point whose run raised
+    :data:`MAX_ATTEMPTS` times stops it (RuntimeError)."""
     announced = False
     while True:
         trials = _grid_trials(study)
@@ -292,15 +330,15 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
             if len(failed.get(k, [])) >= MAX_ATTEMPTS:
                 err = failed[k][-1].user_attrs.get("error", "unknown error")
                 raise RuntimeError(f"quality grid point {k} failed {MAX_ATTEMPTS} times in "
-                                   f"study {name!r}; last error: {err}")
+                                   f"study {study.study_name!r}; last error: {err}")
         todo = len(wanted.keys() - done)
         if todo and not announced:
             announced = True
             stored = len(done & wanted.keys())
-            log(f"quality study {name!r}: " + (f"{stored} of {len(wanted)} grid points "
-                                              f"stored, training the {todo} missing"
-                                              if stored else f"training {todo} grid point(s)")
-                + f", {ts.steps} steps each")
+            log(f"quality study {study.study_name!r}: "
+                + (f"{stored} of {len(wanted)} grid points stored, training the {todo} missing"
+                   if stored else f"training {todo} grid point(s)")
+                + f", {steps} steps each")
         for k in missing:
             study.enqueue_trial({}, user_attrs={"grid_key": k})
         waiting = [t for t in _grid_trials(study) if t.state == TrialState.WAITING
@@ -316,6 +354,9 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
         time.sleep(1.0)  # another process is training these points (or died: fail_stale)
         S.fail_stale(study)
 
+
+def _stored_points(study: optuna.Study, wanted: dict[str, dict[str, Any]]) -> list[QualityPoint]:
+    """Every wanted point's result: the latest complete run of each."""
     by_key: dict[str, FrozenTrial] = {}
     for t in _grid_trials(study):
         if t.state == TrialState.COMPLETE and t.user_attrs["grid_key"] in wanted:
@@ -328,10 +369,7 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
             "heldout_loss"), violation=v, feasible=v <= 0,
             diverged=bool(t.user_attrs.get("diverged")), trial=t.number,
             cpu_throughput=t.user_attrs.get("cpu_throughput")))
-    return QualityStore(study_name=name, storage=S.redact_url(storage_url
-                                                              or S.default_storage_url()),
-                        settings=ts, reference=dict(reference), limit=limit, points=out,
-                        trials_run=ran["n"])
+    return out
 
 
 # ---- speed from the model, and the choice ---------------------------------------------------
@@ -355,8 +393,10 @@ class ModelledRow:
         return self.prediction.modelled_step_time_s
 
 
-def _hardware(profile: Any, host_adam_elements_per_s: float | None = None
-              ) -> tuple[Profile, M.Hardware]:
+def load_hardware(profile: str | Profile, host_adam_elements_per_s: float | None = None
+                  ) -> tuple[Profile, M.Hardware]:
+    """The profile (by name, or as given) and its facts as the step model reads them;
+    :class:`ModelledError` for a profile without the accelerator facts (``cpu``)."""
     prof = profile if isinstance(profile, Profile) else load_profile(profile)
     hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=host_adam_elements_per_s)
     try:
@@ -374,13 +414,6 @@ def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None) ->
                                       mfu=M.DEFAULT_MFU if mfu is None else mfu)
     except M.StepModelError as e:
         raise ModelledError(str(e)) from None
-
-
-def _base_settings(prof: Profile) -> dict[str, Any]:
-    """The hardware profile's settings (the grid point overrides the quality ones; the rest,
-    e.g. ``accumulate_on``, ``chunk_size``, ``host_threads``, are kept as the profile has
-    them, in its order)."""
-    return dict(prof.settings)
 
 
 def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: int = 1,
@@ -444,7 +477,7 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         raise ModelledError(f"gpus must be an int >= 1, got {gpus!r}")
     if mfu is not None and not 0 < mfu <= 1:
         raise ModelledError(f"mfu must be in (0, 1], got {mfu}")
-    prof, hw = _hardware(profile, host_adam_elements_per_s)
+    prof, hw = load_hardware(profile, host_adam_elements_per_s)
     wl = _workload(model, tokens, mfu)
     if save_as is not None:
         validate_name(save_as)
@@ -455,7 +488,9 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
     grid.points()  # validate before training
     store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
                              study_name=study_name, log=log, **grid_kw)
-    base = _base_settings(prof)
+    # the grid point overrides the profile's quality settings; the rest (accumulate_on,
+    # chunk_size, host_threads...) are kept as the profile has them, in its order
+    base = dict(prof.settings)
     rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base)
     eligible = [r for r in rows if r.eligible]
     zo = M.predict(hw, wl, "zero-offload", gpus=gpus, config=M.zenflow_config(base))
@@ -471,12 +506,6 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         out.profile = modelled_profile(out, save_as)
         out.profile_path = save_profile(out.profile, profile_dir)
     return out
-
-
-def _versions() -> dict[str, str]:
-    from .hardware import versions
-
-    return versions()
 
 
 def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
@@ -532,7 +561,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
             "fit": sum(r.fits for r in out.rows),
             "quality_trial": best.point.trial,
         },
-        "versions": _versions(),
+        "versions": versions(),
         "note": ("Settings chosen by zenflow-tune's modelled objective: the fastest grid "
                  "point by the step-time model (autotune/stepmodel.py; a prediction, not a "
                  "measurement on this hardware) among those whose held-out loss on the "
@@ -602,125 +631,12 @@ def guard_line(store: QualityStore) -> str:
     return guard_summary(store.reference, store.settings.loss_margin)
 
 
-# ---- the CLI (``zenflow-tune run --objective modelled``) ------------------------------------
-MEASURED_ONLY = ("quick", "n_trials", "timeout", "max_host_threads")
-"""``run`` options that mean nothing to the modelled objective (its grid is fixed)."""
-
-
 def default_save_name(profile: str, model: str, gpus: int, tokens: int | None) -> str:
+    """The profile a modelled run saves by default: ``<profile>-<model>``, with the GPUs and
+    tokens when not the defaults (a built-in is not shadowed by accident)."""
     name = f"{profile}-{model}"
     if gpus != 1:
         name += f"-{gpus}gpu"
     if tokens and tokens != M.DEFAULT_TOKENS:
         name += f"-{tokens}tok"
-    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.")[:64]
-
-
-def cli_run_modelled(args: Any, usage: type[Exception]) -> int:
-    """``zenflow-tune run --objective modelled``: ``--profile`` is the hardware profile to
-    model, ``--model`` the preset; the result is saved as ``--save-as`` (default
-    ``<profile>-<model>``, so a built-in is not shadowed by accident) unless ``--no-profile``.
-    Raises ``usage`` for a bad combination of options (exit 1)."""
-    import sys
-
-    from zenflow_triton.profiles import ProfileError, ProfileNotFoundError
-
-    from .study import default_storage_url, redact_url
-    from .workload import WorkloadError, load_workload_factory
-    from .workload import prepare as prepare_workload
-
-    if not args.profile or not args.model:
-        missing = " and ".join(o for o, v in (("--profile NAME", args.profile),
-                                               ("--model PRESET", args.model)) if not v)
-        raise usage(f"--objective modelled needs {missing} (the hardware profile to model "
-                    f"and a model preset: {', '.join(sorted(M.PRESETS))})")
-    given = [o for o in MEASURED_ONLY if getattr(args, o, None) not in (None, False)]
-    if given:
-        opts = ", ".join("--" + o.replace("_", "-") for o in given)
-        raise usage(f"{opts}: only for --objective measured (the modelled objective trains "
-                    "a fixed quality grid; see --topk-grid and --interval-grid)")
-    if args.model not in M.PRESETS:
-        raise usage(f"--model: unknown model preset {args.model!r}; valid presets: "
-                    f"{', '.join(sorted(M.PRESETS))}")
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        raise usage(f"--mfu must be in (0, 1], got {args.mfu}")
-    try:
-        prof, _ = _hardware(args.profile)
-    except ProfileNotFoundError as e:
-        raise usage(f"--profile: {e}") from None
-    except (ModelledError, ProfileError) as e:
-        raise usage(f"--profile {args.profile!r}: {e}") from None
-    save_as = None
-    if not args.no_profile:
-        save_as = args.save_as or default_save_name(prof.name, args.model, args.gpus,
-                                                    args.tokens)
-        try:
-            validate_name(save_as)
-        except ProfileError as e:
-            raise usage(f"--save-as: {e}") from None
-    try:
-        wl_name, factory = load_workload_factory(args.workload)
-    except WorkloadError as e:
-        raise usage(f"--workload: {e}") from None
-    over = {k: getattr(args, k) for k in ("steps", "skip_steps", "lr", "seed", "loss_margin",
-                                          "device") if getattr(args, k) is not None}
-    if "steps" in over and "skip_steps" not in over:
-        over["skip_steps"] = min(TuneSettings().skip_steps, max(0, over["steps"] // 5))
-    from .cli import float_list
-
-    try:
-        _, ts = default_quality_settings(workload=args.workload, **over)
-        grid_kw: dict[str, Any] = {}
-        if args.topk_grid:
-            grid_kw["topk_ratios"] = float_list(args.topk_grid, "--topk-grid", usage)
-        if args.interval_grid:
-            ints = float_list(args.interval_grid, "--interval-grid", usage)
-            if any(v != int(v) for v in ints):
-                raise usage(f"--interval-grid: expected integers, got {args.interval_grid!r}")
-            grid_kw["update_intervals"] = tuple(int(v) for v in ints)
-        if args.delay_grid:
-            grid_kw["apply_delays"] = float_list(args.delay_grid, "--delay-grid", usage)
-        grid = QualityGrid(**grid_kw)
-        grid.points()
-    except (ValueError, ModelledError) as e:
-        raise usage(str(e)) from None
-    try:  # once per machine, before any grid point trains
-        prepare_workload(wl_name, log=lambda m: print(m, flush=True))
-    except WorkloadError as e:
-        raise usage(f"--workload: {e}") from None
-    storage_url = args.storage or default_storage_url()
-    print(f"modelled objective: {args.model} on {prof.name!r} ({args.gpus} GPU(s), "
-          f"{args.tokens or M.DEFAULT_TOKENS} tokens/GPU/step), speed from the step model; "
-          f"quality measured on {wl_name!r} ({ts.device}) in {redact_url(storage_url)}",
-          flush=True)
-    kw: dict[str, Any] = {}
-    if args.heartbeat_interval:
-        kw["heartbeat_interval"] = args.heartbeat_interval
-    if args.grace_period:
-        kw["grace_period"] = args.grace_period
-    out = run_modelled(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
-                       mfu=args.mfu, factory=factory, ts=ts, grid=grid,
-                       storage_url=storage_url, study_name=args.study, save_as=save_as,
-                       log=lambda m: print(m, flush=True), **kw)
-    print()
-    print(guard_line(out.store))
-    print(format_modelled_table(out, top=args.top))
-    if out.best is None:
-        why = ("no grid point fits in device memory" if not any(r.fits for r in out.rows)
-               else "no feasible grid point fits in device memory" if out.store.n_feasible
-               else "every grid point missed the quality guard")
-        print(f"\n{why}: nothing saved. Try a smaller --model, more --gpus, a finer grid, "
-              "or a looser --loss-margin.", file=sys.stderr)
-        return 2
-    b = out.best
-    print(f"\nchosen: topk_ratio={b.point.settings['topk_ratio']:g}, update_interval="
-          f"{b.point.settings['update_interval']}, select_interval="
-          f"{b.point.settings['select_interval']}, apply_delay="
-          f"{b.point.settings.get('apply_delay')}: {b.throughput:,.0f} tokens/s per GPU "
-          f"(modelled, {b.step_time_s:.3f} s/step, stall {b.prediction.stall_fraction:.0%})")
-    if out.profile_path is not None:
-        print(f"saved profile {out.profile.name!r} to {out.profile_path}")
-        print("use it:")
-        print(f'    opt = ZenFlowOptimizer.from_profile("{out.profile.name}", '
-              "model.parameters(), lr=...)")
-    return 0
+    return slug(name, 64)

@@ -25,7 +25,7 @@ import optuna
 import torch
 
 from .space import SearchSpace
-from .workload import Workload, build_workload, heldout_loss
+from .training import Workload, build_workload, heldout_loss
 
 __all__ = ["TuneSettings", "TrainResult", "train_and_measure", "measure_reference",
            "quality_limit", "guard_summary", "Objective", "DIVERGED_VIOLATION", "DEFAULT_LOSS_MARGIN"]

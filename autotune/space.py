@@ -33,11 +33,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from zenflow_triton import ZenFlowConfig
+from zenflow_triton.host.step_size import fixed_multiplier
 
-from .hardware import usable_cpus
+from .detect import usable_cpus
 
-__all__ = ["SearchSpace", "default_settings", "HOST_LR_RULES", "apply_delay_for",
-           "delay_steps"]
+__all__ = ["SearchSpace", "HOST_LR_RULES", "apply_delay_for", "delay_steps"]
 
 HOST_LR_RULES = ("adaptive", "power")
 
@@ -160,7 +160,7 @@ class SearchSpace:
         elif self.search_host_lr:
             # host_lr_scale = ui ** e: the default's multiplier of a full window at this ui
             # (for "sqrt": e = 0.5 up to its cap)
-            e = math.log(d.host_lr_multiplier(ui)) / math.log(ui) if ui > 1 else 0.0
+            e = math.log(fixed_multiplier(d.host_lr_scale, ui)) / math.log(ui) if ui > 1 else 0.0
             p["host_lr_rule"] = "power"
             p["host_lr_exponent"] = clip(e, 0.0, 1.0)
         if self.searches_apply_delay and ui > 1:
@@ -170,7 +170,3 @@ class SearchSpace:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def default_settings() -> dict[str, Any]:
-    return ZenFlowConfig().to_dict()

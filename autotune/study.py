@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from zenflow_triton.profiles import Profile, platform_dir, save_profile
 
-from .hardware import detect, host_adam_settings, measure_host_adam, versions
+from .detect import detect, host_adam_settings, measure_host_adam, versions
 from .objective import (Objective, TuneSettings, constraints_func,
                         is_feasible, measure_reference)
 from .space import SearchSpace, delay_steps

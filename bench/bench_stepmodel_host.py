@@ -1,8 +1,8 @@
 """The step-time model's host update against this machine's: predicted vs measured.
 
-The model (autotune/stepmodel/host.py) times ZenFlow's host job at a window boundary as
+The model (autotune/stepmodel/step.py) times ZenFlow's host job at a window boundary as
 ``host-owned elements / host AdamW rate``. For the ``cpu`` profile the rate is a measurement
-on the machine it runs on: ``autotune.hardware.measure_host_adam`` (the library's HostAdamW
+on the machine it runs on: ``autotune.detect.measure_host_adam`` (the library's HostAdamW
 on one set of fp32 buffers of 2^24 elements, the optimizer's default threads and chunk size;
 2^22 in quick mode). This benchmark takes that calibration, then a model of another size
 (a stack of square ``nn.Linear`` layers: 12 x 2048^2 = 50.4M params, 2 x 768^2 = 1.2M in
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _report  # noqa: E402
-from autotune.hardware import host_adam_settings, measure_host_adam  # noqa: E402
+from autotune.detect import host_adam_settings, measure_host_adam  # noqa: E402
 from autotune.stepmodel import Hardware, Workload, host_update_seconds  # noqa: E402
 from zenflow_triton import ZenFlowOptimizer  # noqa: E402
 

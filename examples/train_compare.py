@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.workload import tiny_lm  # noqa: E402
+from autotune.training import tiny_lm  # noqa: E402
 from zenflow_triton import ZenFlowOptimizer  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def tinylm_setup(args):
 
 
 def smollm2_setup(args):
-    from autotune.workload import WorkloadError, smollm2
+    from autotune.training import WorkloadError, smollm2
     try:
         wl = smollm2(seed=args.seed, seq_len=args.seq_len, batch_size=args.batch_size)
     except WorkloadError as e:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotune.workload import tiny_lm  # noqa: E402
+from autotune.training import tiny_lm  # noqa: E402
 from zenflow_triton import ZenFlowOptimizer  # noqa: E402
 
 

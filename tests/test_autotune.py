@@ -21,11 +21,11 @@ from optuna.trial import TrialState
 
 from autotune import cli
 from autotune import study as S
-from autotune import hardware
+from autotune import detect as hardware
 from autotune.objective import (CONSTRAINT_ATTR, Objective, TuneSettings, is_feasible,
                                 measure_reference, quality_limit, DEFAULT_LOSS_MARGIN)
 from autotune.space import SearchSpace, apply_delay_for
-from autotune.workload import Workload, build_workload, tiny_lm
+from autotune.training import Workload, build_workload, tiny_lm
 from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer
 from zenflow_triton.host import HostAdamW
 from zenflow_triton.profiles import PROFILE_DIR_ENV, load_profile
@@ -264,7 +264,7 @@ def test_user_workload_tuple_contract_holds_out_first_batch():
 
 
 def test_default_workload_is_the_cached_fine_tuning_job(tmp_path, monkeypatch):
-    from autotune import workload as W
+    from autotune import training as W
 
     monkeypatch.setenv("ZENFLOW_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(W, "PRETRAIN_STEPS", 3)  # the recipe, shortened
@@ -620,7 +620,7 @@ def test_sqlite_storage_serialises_taking_an_enqueued_trial(tmp_path):
 # ---- what a study and a cache are keyed by; failures leave nothing behind ----------------
 def test_cli_missing_cuda_fails_before_any_work(dirs, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    from autotune import workload as W
+    from autotune import training as W
     monkeypatch.setattr(W, "prepare",
                         lambda *a, **k: pytest.fail("work started before the device check"))
     assert cli.main(["run", "--quick", "--device", "cuda"]) == 1

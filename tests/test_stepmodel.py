@@ -13,6 +13,7 @@ from autotune import cli
 from autotune import stepmodel as S
 from zenflow_triton import ZenFlowConfig
 from zenflow_triton import profiles as P
+from zenflow_triton.columns.selection import num_selected
 
 
 @pytest.fixture(autouse=True)
@@ -357,10 +358,10 @@ def test_cpu_profile_has_host_facts_only():
     wl = S.Workload.from_preset("opt-350m")
     with pytest.raises(S.StepModelError, match="bf16_tensor_tflops_dense"):
         S.predict(cpu, wl, "zenflow")
-    e_host = sum(p.shape[0] * (p.cols - S._k(0.1, p.cols)) for p in wl.params
+    e_host = sum(p.shape[0] * (p.cols - num_selected(p.cols, 0.1)) for p in wl.params
                  if p.is_matrix(4096, ZenFlowConfig().dense_params))
     assert S.host_update_seconds(cpu, wl) == pytest.approx(e_host / 1e9)
-    e_all = sum(p.shape[0] * (p.cols - S._k(0.1, p.cols)) for p in wl.params
+    e_all = sum(p.shape[0] * (p.cols - num_selected(p.cols, 0.1)) for p in wl.params
                 if p.is_matrix(4096))
     assert e_all > e_host  # OPT's embeddings are in the dense set
     assert S.host_update_seconds(cpu, wl, dense_params=()) == pytest.approx(e_all / 1e9)
@@ -592,7 +593,7 @@ def test_cli_predict_bad_names_exit_2_naming_the_choices(argv, names, capsys):
 
 
 def test_cli_predict_measure_host_uses_the_measured_rate(capsys, monkeypatch):
-    import autotune.hardware as H
+    import autotune.detect as H
 
     args = ["predict", "--profile", "h100-pcie5", "--model", "opt-350m", "--json"]
     assert cli.main(args) == 0
@@ -606,7 +607,7 @@ def test_cli_predict_measure_host_uses_the_measured_rate(capsys, monkeypatch):
 
 
 def test_a_gh200_is_detected_as_gh200_not_h200():
-    from autotune.hardware import matching_builtin
+    from autotune.detect import matching_builtin
 
     assert matching_builtin({"accelerators": [{"name": "NVIDIA GH200 480GB"}]}) == "gh200"
     assert matching_builtin({"accelerators": [{"name": "NVIDIA H200"}]}) == "h200-sxm"

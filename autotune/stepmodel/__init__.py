@@ -21,67 +21,52 @@ formula, constant and assumption is written down in ``docs/stepmodel.md``; the s
   all-reduce and the all-gather of updated rows go over the peer links and are not modelled.
 
 Each mode is a small dependency graph (which transfer waits for which compute), scheduled
-by :class:`_Lanes` for several windows until it repeats; the last window is the result. So
-a case where one lane is the bottleneck gives exactly that lane's work per window, and the
+on the lanes for several windows until it repeats; the last window is the result. So a
+case where one lane is the bottleneck gives exactly that lane's work per window, and the
 graph for each mode is short enough to check by hand (the tests do).
 
 The model lives in ``autotune/`` rather than ``zenflow_triton/``: it is a planning tool for
 the tuner and the CLI, never used by the optimizer at run time, and it knows the optimizer
-only through :class:`~zenflow_triton.config.ZenFlowConfig` and the profiles' public loader.
+only through :class:`~zenflow_triton.config.ZenFlowConfig`, the optimizer's column count
+(:func:`zenflow_triton.columns.selection.num_selected`) and the profiles' public loader.
 
 Where each part lives (each file imports only from the ones above it in this list):
 
-* ``base.py``: the mode and lane names, the constants, :class:`StepModelError`;
-* ``hardware.py``: :class:`Hardware`, a profile's facts: accelerator, device-host link,
-  host cores and the host AdamW rate per process;
-* ``shapes.py``: :class:`ParamSpec` and :class:`Layer`;
-* ``presets.py``: :data:`PRESETS`, the named architectures, and how one is built;
-* ``workload.py``: :class:`Workload`, from a preset or a ``torch.nn.Module``;
-* ``settings.py``: :func:`zenflow_config` and the optimizer's column rounding;
-* ``timeline.py``: :class:`Segment`, the lanes (:class:`_Lanes`), the window scheduler and
-  :class:`Prediction`;
-* ``costs.py``: the durations and element counts one GPU's process sees;
-* ``memory.py``: the device and host memory of each mode;
-* ``modes.py``: the modes' graphs (AdamW on the device, ZeRO-Offload, ZeRO-Offload with a
-  delayed update, per-layer overlapped offload, ZenFlow);
-* ``step.py``: :func:`predict` and :func:`predict_all`;
-* ``host.py``: :func:`host_update_seconds`, the host AdamW job alone;
-* ``report.py``: :func:`markdown_table`;
-* ``plot.py``: :func:`plot_timelines`;
-* ``calibrate.py``: :func:`calibration` and :func:`calibration_table`, the model against
-  DeepSpeed's published ZenFlow figures.
+* ``inputs.py``: the names and constants, :class:`StepModelError`, :class:`Hardware` (a
+  profile's facts), :class:`ParamSpec`, :class:`Layer`, :data:`PRESETS`, :class:`Workload`
+  (from a preset or a ``torch.nn.Module``) and :func:`zenflow_config`;
+* ``timeline.py``: :class:`Segment`, the four FIFO lanes, the scheduler that runs windows
+  until they repeat, and :class:`Prediction`;
+* ``modes.py``: the durations and element counts one GPU sees, the memory of each mode, and
+  the modes' graphs (AdamW on the device, ZeRO-Offload, ZeRO-Offload with a delayed
+  update, per-layer overlapped offload, ZenFlow);
+* ``step.py``: :func:`predict`, :func:`predict_all` and :func:`host_update_seconds`;
+* ``report.py``: :func:`markdown_table`, :func:`plot_timelines`, and :func:`calibration` /
+  :func:`calibration_table`, the model against DeepSpeed's published ZenFlow figures.
 
-Everything is importable from here, as when the model was one file.
+The public names are importable from here.
 """
 
 from __future__ import annotations
 
-from .base import (_DTYPE_BYTES, DEFAULT_ACCELERATORS_PER_NODE,
-                   DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE, DEFAULT_HOST_CORES_PER_ACCELERATOR,
-                   DEFAULT_MFU, DEFAULT_SEQ_LEN, DEFAULT_TOKENS, DEVICE_ADAMW_BYTES_PER_ELEMENT,
-                   HOST_ADAM_BYTES_PER_ELEMENT, HOST_MEMORY_EFFICIENCY, INDEX_BYTES, LANES,
-                   MODES, SCRATCH_BYTES_PER_THREAD, SHARDINGS, StepModelError)
-from .hardware import Hardware, _profile_hardware
-from .shapes import Layer, ParamSpec
-from .presets import PRESETS, _build_preset
-from .workload import Workload, _group_key
-from .settings import _SETTING_KEYS, _k, zenflow_config
-from .timeline import _MAX_WINDOWS, Prediction, Segment, _cycle, _Lanes, _run_windows, _window
-from .costs import _Costs, _costs
-from .memory import _memory
-from .modes import (_adamw, _overlapped_offload, _small_adam, _zenflow, _zero_offload,
-                    _zero_offload_dpu)
-from .step import predict, predict_all
-from .host import host_update_seconds
-from .report import markdown_table
-from .plot import _COLORS, plot_timelines
-from .calibrate import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, calibration,
-                        calibration_table)
+from .inputs import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE,
+                     DEFAULT_HOST_CORES_PER_ACCELERATOR, DEFAULT_MFU, DEFAULT_SEQ_LEN,
+                     DEFAULT_TOKENS, DEVICE_ADAMW_BYTES_PER_ELEMENT,
+                     HOST_ADAM_BYTES_PER_ELEMENT, HOST_MEMORY_EFFICIENCY, INDEX_BYTES, LANES,
+                     MODES, PRESETS, SCRATCH_BYTES_PER_THREAD, SHARDINGS, Hardware, Layer,
+                     ParamSpec, StepModelError, Workload, zenflow_config)
+from .timeline import Prediction, Segment
+from .step import host_update_seconds, predict, predict_all
+from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, calibration,
+                     calibration_table, markdown_table, plot_timelines)
 
 __all__ = [
     "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
     "Workload", "Segment", "Prediction", "predict", "predict_all", "host_update_seconds",
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",
+    "CALIBRATION_SOURCE", "CALIBRATION_ASSUMPTIONS",
     "DEFAULT_MFU", "DEFAULT_TOKENS", "DEFAULT_SEQ_LEN",
     "DEFAULT_HOST_CORES_PER_ACCELERATOR", "DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE",
+    "DEFAULT_ACCELERATORS_PER_NODE", "HOST_MEMORY_EFFICIENCY", "HOST_ADAM_BYTES_PER_ELEMENT",
+    "DEVICE_ADAMW_BYTES_PER_ELEMENT", "INDEX_BYTES", "SCRATCH_BYTES_PER_THREAD",
 ]

@@ -1,45 +1,159 @@
 """The modes, each a small dependency graph of one training step on the four lanes: AdamW on
 the device, ZeRO-Offload (synchronous), ZeRO-Offload with a one-step delayed update,
 exact AdamW overlapped per layer, and this library's ZenFlow step (selective AdamW on the
-device, a windowed host update, optionally overlapped with the next window)."""
+device, a windowed host update, optionally overlapped with the next window); with what
+they are built from:
+
+* :class:`Costs` (:func:`gpu_costs`): the durations and element counts one GPU's process
+  sees: each layer's forward and backward time on the accelerator (FLOPs over MFU x
+  peak), the offloadable and small params' elements, the bandwidths and host rate the
+  modes divide by, and how much of the device state this GPU holds (all of it under DDP,
+  1/N under FSDP2);
+* :func:`zenflow_split`: the elements ZenFlow keeps on each side, by the optimizer's own
+  column count (:func:`zenflow_triton.columns.selection.num_selected`);
+* :func:`memory_use`: the memory each side needs per mode, by the optimizer's own byte
+  accounting (README, "Memory"): params, grads and optimizer state on the device; master
+  weights, moments, outbox, window accumulator, column indices and worker scratch on the
+  host. Under FSDP2 the device's params, grads and state are this GPU's rows (1/N); the
+  column indices are whole on every GPU (every rank makes the same selection).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from .base import _DTYPE_BYTES, DEVICE_ADAMW_BYTES_PER_ELEMENT, HOST_ADAM_BYTES_PER_ELEMENT
-from .costs import _Costs
-from .settings import _k
-from .timeline import _Lanes, _run_windows
-from .workload import Workload
+from zenflow_triton.columns.selection import num_selected
+
+from .inputs import (DEVICE_ADAMW_BYTES_PER_ELEMENT, DTYPE_BYTES, HOST_ADAM_BYTES_PER_ELEMENT,
+                     INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, Hardware, Workload)
+from .timeline import Lanes, run_windows
 
 
-def _adamw(c: _Costs, K: int):
+# ---- what one GPU's process sees ------------------------------------------------------------
+@dataclass(frozen=True)
+class Costs:
+    """Every duration (s) and element count one GPU's process sees."""
+
+    n_gpus: int
+    shard: int                      # the device state's divisor: n_gpus under fsdp2, else 1
+    fwd: tuple[float, ...]          # per layer, forward order
+    bwd: tuple[float, ...]
+    matrix: tuple[float, ...]       # per layer: offloadable elements (all ranks)
+    small: float                    # device-owned small params' elements
+    total: float
+    b: int                          # param (and grad) bytes
+    Bm: float
+    BL: float
+    R: float                        # host AdamW elements/s for this process
+
+
+def gpu_costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
+           dense_params: tuple[str, ...] = (), sharding: str = "ddp") -> Costs:
+    hw.require_device()
+    peak = hw.device_flops if wl.dtype != "float32" else (hw.device_flops_fp32
+                                                           or hw.device_flops)
+    rate = wl.mfu * peak
+    fwd, bwd, matrix = [], [], []
+    small = 0
+    for layer in wl.layers:
+        c = layer.flops_per_token * wl.tokens / rate
+        fwd.append(c / 3.0)
+        bwd.append(c * 2.0 / 3.0)
+        split = [p.is_matrix(min_offload_numel, dense_params) for p in layer.params]
+        matrix.append(float(sum(p.numel for p, s in zip(layer.params, split) if s)))
+        small += sum(p.numel for p, s in zip(layer.params, split) if not s)
+    return Costs(gpus, gpus if sharding == "fsdp2" else 1, tuple(fwd), tuple(bwd),
+                  tuple(matrix), float(small), float(wl.numel),
+                  wl.param_bytes, hw.device_memory_bandwidth, hw.link_bandwidth,
+                  hw.host_rate(gpus))
+
+
+def zenflow_split(wl: Workload, cfg: Any) -> tuple[float, float, float]:
+    """ZenFlow's elements of the split matrices (all ranks): device-owned (the selected
+    columns, as the optimizer counts them), host-owned (the rest), and the bytes of their
+    column indices."""
+    e_dev = e_host = 0.0
+    idx = 0.0
+    for p in wl.params:
+        if not p.is_matrix(cfg.min_offload_numel, cfg.dense_params):
+            continue
+        k = num_selected(p.cols, cfg.topk_ratio)
+        rows = p.shape[0]
+        e_dev += rows * k
+        e_host += rows * (p.cols - k)
+        if k > 0:
+            idx += p.cols * INDEX_BYTES
+    return e_dev, e_host, idx
+
+
+def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int) -> dict[str, dict]:
+    b, n, d = c.b, c.n_gpus, c.shard       # d: N under FSDP2 (this GPU's rows), else 1
+    master = 12 if b < 4 else 8            # fp32 master (a bf16 param needs one), m, v
+    dev: dict[str, float] = {"params": c.total * b / d, "grads": c.total * b / d}
+    host: dict[str, float] = {}
+    P = sum(c.matrix)
+    s = DTYPE_BYTES[cfg.host_state_dtype]
+    scratch = threads * SCRATCH_BYTES_PER_THREAD
+    moment_scratch = 2 * scratch if s < 4 else 0
+    if mode == "adamw":
+        dev["optimizer state (sharded 1/N)"] = c.total * master / n
+    else:
+        dev["small params' AdamW state"] = c.small * master / d
+    if mode in ("zero-offload", "zero-offload-dpu", "overlapped-offload"):
+        host["master + moments"] = P / n * (4 + 2 * s)
+        host["worker scratch"] = scratch + moment_scratch
+        if mode == "zero-offload-dpu" or (mode == "zero-offload" and n > 1):
+            host["outbox (param dtype)"] = P / n * b
+        if mode == "overlapped-offload":
+            largest = max(c.matrix) / n
+            host["per-layer staging (2 buffers each way)"] = 2 * largest * 2 * b
+    elif mode == "zenflow":
+        e_dev, e_host, idx = zenflow_split(wl, cfg)
+        a = DTYPE_BYTES[cfg.accumulator_dtype]
+        dev["device-owned columns' AdamW state"] = e_dev * master / d
+        dev["column indices"] = idx
+        windowed = cfg.update_interval > 1 and e_host > 0
+        if windowed and cfg.accumulate_on == "device":
+            dev["window accumulator (rank's rows)"] = e_host / n * a
+        host["master + moments"] = e_host / n * (4 + 2 * s)
+        if e_host and (cfg.overlap or cfg.topk_ratio > 0 or n > 1):
+            host["outbox (param dtype)"] = e_host / n * b
+        if windowed and cfg.accumulate_on == "host":
+            host["window accumulator (rank's rows)"] = e_host / n * a
+        host["column indices"] = idx
+        if e_host:
+            host["worker scratch"] = scratch + moment_scratch
+    return {"device": dev, "host": host}
+
+
+# ---- the modes' graphs ---------------------------------------------------------------------
+def adamw(c: Costs, K: int):
     opt = c.total / c.n_gpus * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
     F, B = sum(c.fwd), sum(c.bwd)
 
-    def body(L: _Lanes, w: int, i: int) -> float:
+    def body(L: Lanes, w: int, i: int) -> float:
         start = L.free["device"]
         L.run("device", F, "forward")
         L.run("device", B, "backward")
         L.run("device", opt, "AdamW (device)")
         return start
 
-    return _run_windows(body, K)
+    return run_windows(body, K)
 
 
-def _small_adam(c: _Costs) -> float:
+def _small_adam(c: Costs) -> float:
     return c.small / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
 
 
-def _zero_offload(c: _Costs, K: int):
+def zero_offload(c: Costs, K: int):
     """Synchronous: backward, device AdamW of the small params, gradient down, host AdamW of
     every offloaded element, params up, then the next forward."""
     P = sum(c.matrix) / c.n_gpus
     F, B, small = sum(c.fwd), sum(c.bwd), _small_adam(c)
     down, up, host = P * c.b / c.BL, P * c.b / c.BL, P / c.R
 
-    def body(L: _Lanes, w: int, i: int) -> float:
+    def body(L: Lanes, w: int, i: int) -> float:
         start = L.free["device"]
         L.run("device", F, "forward")
         L.run("device", B, "backward")
@@ -50,17 +164,17 @@ def _zero_offload(c: _Costs, K: int):
         L.run("device", 0.0, "wait", [t])
         return start
 
-    return _run_windows(body, K)
+    return run_windows(body, K)
 
 
-def _zero_offload_dpu(c: _Costs, K: int):
+def zero_offload_dpu(c: Costs, K: int):
     """One-step delayed parameter update (DeepSpeed's DPU): step t's host step overlaps step
     t+1's compute; step t+2's forward waits for step t's params, step t+1's backward for
     step t's gradient copy (the gradient buffer is reused)."""
     P = sum(c.matrix) / c.n_gpus
     F, B, small = sum(c.fwd), sum(c.bwd), _small_adam(c)
     down, up, host = P * c.b / c.BL, P * c.b / c.BL, P / c.R
-    def body(L: _Lanes, w: int, i: int) -> float:
+    def body(L: Lanes, w: int, i: int) -> float:
         m = L.marks  # "up-2": params of two steps back up; "down-1": last gradient copied
         start = L.run("device", 0.0, "wait", [m.get("up-2", 0.0)])
         L.run("device", F, "forward")
@@ -74,10 +188,10 @@ def _zero_offload_dpu(c: _Costs, K: int):
         m["up-1"] = L.run("link-up", up, "params up", [t])
         return start
 
-    return _run_windows(body, K)
+    return run_windows(body, K)
 
 
-def _overlapped_offload(c: _Costs, K: int):
+def overlapped_offload(c: Costs, K: int):
     """Exact AdamW, pipelined per layer: as soon as backward has produced a layer's
     gradient it goes down, the host updates that layer, its params go up; the next forward
     of a layer waits for its params, the next backward of a layer for its gradient copy."""
@@ -85,7 +199,7 @@ def _overlapped_offload(c: _Costs, K: int):
     down = [m / c.n_gpus * c.b / c.BL for m in c.matrix]
     host = [m / c.n_gpus / c.R for m in c.matrix]
     small = _small_adam(c)
-    def body(L: _Lanes, w: int, i: int) -> float:
+    def body(L: Lanes, w: int, i: int) -> float:
         m = L.marks  # ("ready", l): layer l's params up; ("copied", l): its gradient down
         start = None
         for l in range(n):
@@ -103,10 +217,10 @@ def _overlapped_offload(c: _Costs, K: int):
         L.run("device", small, "AdamW small params (device)")
         return start
 
-    return _run_windows(body, K)
+    return run_windows(body, K)
 
 
-def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
+def zenflow(c: Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     """This library's step (docs/design.md, "The step"), per GPU. Device each step: forward,
     backward, selective AdamW on the device-owned columns and the small params, the
     amortised column scoring of a selection, and (accumulate_on="device") the window sum.
@@ -114,88 +228,125 @@ def _zenflow(c: _Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     the host updates, the result is copied up and scattered into the params: at once
     (overlap=False), or at the end of the step ``apply_delay`` steps later (overlap=True;
     the next boundary by default; the up copy is issued there, at the apply point, unless
-    ``prefetch_result``)."""
+    ``prefetch_result``). Returns the scheduled windows, the amortised extra time per step
+    of a reselection, and the elements and link bytes per window."""
+    e_dev, e_host, _ = zenflow_split(wl, cfg)
+    z = _zenflow_tasks(c, K, e_dev, e_host, cfg)
+    g = b = c.b
+    lanes_starts = run_windows(_zenflow_body(z, K, cfg, prefetch_result), K)
+    return lanes_starts, _reselection_drain(z, K, cfg), {
+        "device_owned_elements": e_dev, "host_owned_elements": e_host,
+        "link_down_per_window": (z.h * (b if z.windowed else g) if not z.on_host
+                                 else K * z.h * g),
+        "link_up_per_window": z.h * b}
+
+
+@dataclass(frozen=True)
+class _ZenFlowTasks:
+    """One GPU's ZenFlow step: the duration (s) of each task, and which tasks there are."""
+
+    h: float                # this rank's host-owned elements
+    F: float                # forward, backward
+    B: float
+    windowed: bool          # a window of several steps with host-owned elements
+    on_host: bool           # accumulate_on="host"
+    selects: bool           # 0 < topk_ratio < 1: selections happen
+    dev_update: float
+    score: float
+    acc: float
+    gather: float
+    mean: float
+    scatter: float
+    down_window: float
+    down_step: float
+    host_add: float
+    host_adam: float
+    up: float
+    delay: int              # apply_delay, at most the window
+
+
+def _zenflow_tasks(c: Costs, K: int, e_dev: float, e_host: float, cfg: Any) -> _ZenFlowTasks:
     n = c.n_gpus
     g = b = c.b
-    a = _DTYPE_BYTES[cfg.accumulator_dtype]
-    e_dev = e_host = 0.0
-    for p in wl.params:
-        if p.is_matrix(cfg.min_offload_numel, cfg.dense_params):
-            k = _k(cfg.topk_ratio, p.cols)
-            e_dev += p.shape[0] * k
-            e_host += p.shape[0] * (p.cols - k)
+    a = DTYPE_BYTES[cfg.accumulator_dtype]
     h = e_host / n                                  # this rank's host-owned elements
-    F, B = sum(c.fwd), sum(c.bwd)
     windowed = K > 1 and h > 0
     on_host = windowed and cfg.accumulate_on == "host"
     selects = 0 < cfg.topk_ratio < 1
     # Under FSDP2 this GPU updates, scores and scatters its own rows only (c.shard = N);
     # under DDP every GPU does the whole device half and scatters every gathered row.
-    dev_update = (c.small + e_dev) / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
-    score = (sum(c.matrix) / c.shard * g / c.Bm / cfg.effective_select_interval
-             if selects else 0.0)
-    acc = h * (g + 2 * a) / c.Bm if windowed and not on_host else 0.0
-    gather = h * 2 * g / c.Bm if on_host else 0.0
-    mean = h * (a + b) / c.Bm if windowed and not on_host else 0.0
-    scatter = e_host / c.shard * 2 * b / c.Bm if cfg.topk_ratio > 0 and h > 0 else 0.0
-    down_window = h * (b if windowed else g) / c.BL if not on_host else 0.0
-    down_step = h * g / c.BL if on_host else 0.0
-    host_add = h * (g + 2 * a) / HOST_ADAM_BYTES_PER_ELEMENT / c.R if on_host else 0.0
-    host_adam = h / c.R
-    up = h * b / c.BL
-    delay = min(cfg.effective_apply_delay, K)  # K = 1: every step is a boundary
-    def body(L: _Lanes, w: int, i: int) -> float:
+    return _ZenFlowTasks(
+        h=h, F=sum(c.fwd), B=sum(c.bwd), windowed=windowed, on_host=on_host, selects=selects,
+        dev_update=(c.small + e_dev) / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm,
+        score=(sum(c.matrix) / c.shard * g / c.Bm / cfg.effective_select_interval
+               if selects else 0.0),
+        acc=h * (g + 2 * a) / c.Bm if windowed and not on_host else 0.0,
+        gather=h * 2 * g / c.Bm if on_host else 0.0,
+        mean=h * (a + b) / c.Bm if windowed and not on_host else 0.0,
+        scatter=e_host / c.shard * 2 * b / c.Bm if cfg.topk_ratio > 0 and h > 0 else 0.0,
+        down_window=h * (b if windowed else g) / c.BL if not on_host else 0.0,
+        down_step=h * g / c.BL if on_host else 0.0,
+        host_add=h * (g + 2 * a) / HOST_ADAM_BYTES_PER_ELEMENT / c.R if on_host else 0.0,
+        host_adam=h / c.R,
+        up=h * b / c.BL,
+        delay=min(cfg.effective_apply_delay, K))  # K = 1: every step is a boundary
+
+
+def _zenflow_body(z: _ZenFlowTasks, K: int, cfg: Any, prefetch_result: bool):
+    """Step ``i`` of a window on the lanes (for :func:`~.timeline.run_windows`)."""
+
+    def body(L: Lanes, w: int, i: int) -> float:
         state = L.marks
         start = L.free["device"]
-        L.run("device", F, "forward")
-        L.run("device", B, "backward")
-        t = L.run("device", dev_update, "selective AdamW (device)")
-        if score:
-            t = L.run("device", score, "column scoring (amortised)")
-        if acc:
-            t = L.run("device", acc, "accumulate", [state.get("copy_in", 0.0)] if i == 0 else [])
-        if on_host:
-            t = L.run("device", gather, "gather host columns")
-            d = L.run("link-down", down_step, "grads down", [t])
-            state["last_add"] = L.run("host", host_add, "host accumulate", [d])
-        if cfg.overlap and h > 0 and i == delay - 1 and "job_host_end" in state:
+        L.run("device", z.F, "forward")
+        L.run("device", z.B, "backward")
+        t = L.run("device", z.dev_update, "selective AdamW (device)")
+        if z.score:
+            t = L.run("device", z.score, "column scoring (amortised)")
+        if z.acc:
+            t = L.run("device", z.acc, "accumulate",
+                      [state.get("copy_in", 0.0)] if i == 0 else [])
+        if z.on_host:
+            t = L.run("device", z.gather, "gather host columns")
+            d = L.run("link-down", z.down_step, "grads down", [t])
+            state["last_add"] = L.run("host", z.host_add, "host accumulate", [d])
+        if cfg.overlap and z.h > 0 and i == z.delay - 1 and "job_host_end" in state:
             # the apply point of the previous window: at its end, or apply_delay steps in
             after = [state["job_host_end"]] + ([] if prefetch_result else [t])
-            u = L.run("link-up", up, "params up", after)
-            t = L.run("device", scatter, "apply (scatter)", [u])
-        if i != K - 1 or h == 0:
+            u = L.run("link-up", z.up, "params up", after)
+            t = L.run("device", z.scatter, "apply (scatter)", [u])
+        if i != K - 1 or z.h == 0:
             return start
         # window boundary
-        if mean:
-            t = L.run("device", mean, "window mean -> bf16")
-        if on_host:
+        if z.mean:
+            t = L.run("device", z.mean, "window mean -> bf16")
+        if z.on_host:
             ready = state.get("last_add", 0.0)
         else:
-            ready = L.run("link-down", down_window, "grads down", [t])
+            ready = L.run("link-down", z.down_window, "grads down", [t])
             state["copy_in"] = ready
-        hend = L.run("host", host_adam, "host AdamW", [ready])
+        hend = L.run("host", z.host_adam, "host AdamW", [ready])
         if cfg.overlap:
             state["job_host_end"] = hend
-            if not windowed:  # a .grad source: the training stream waits for the copy
+            if not z.windowed:  # a .grad source: the training stream waits for the copy
                 L.run("device", 0.0, "wait", [ready])
         else:
-            u = L.run("link-up", up, "params up", [hend])
-            L.run("device", scatter, "apply (scatter)", [u])
+            u = L.run("link-up", z.up, "params up", [hend])
+            L.run("device", z.scatter, "apply (scatter)", [u])
         return start
 
-    lanes_starts = _run_windows(body, K)
-    drain = 0.0
-    if selects and cfg.overlap and h > 0:
-        # A selection (every select_interval steps) first drains the job launched at the
-        # previous step, which has had only one step's compute to hide behind; the boundary
-        # that would have applied it then has nothing to wait for. Net extra, amortised:
-        job = (down_step + host_add if on_host else down_window) + host_adam
-        per_step = F + B + dev_update + score + acc + gather
-        # what the apply point would have hidden the job behind: apply_delay steps
-        hidden = K * per_step + mean + scatter if delay == K else delay * per_step
-        drain = ((max(0.0, job - (F + B)) - max(0.0, job - hidden))
-                 / cfg.effective_select_interval)
-    return lanes_starts, drain, {"device_owned_elements": e_dev, "host_owned_elements": e_host,
-                                 "link_down_per_window": (h * (b if windowed else g)
-                                                          if not on_host else K * h * g),
-                                 "link_up_per_window": h * b}
+    return body
+
+
+def _reselection_drain(z: _ZenFlowTasks, K: int, cfg: Any) -> float:
+    """A selection (every select_interval steps) first drains the job launched at the
+    previous step, which has had only one step's compute to hide behind; the boundary that
+    would have applied it then has nothing to wait for. The net extra per step, amortised."""
+    if not (z.selects and cfg.overlap and z.h > 0):
+        return 0.0
+    job = (z.down_step + z.host_add if z.on_host else z.down_window) + z.host_adam
+    per_step = z.F + z.B + z.dev_update + z.score + z.acc + z.gather
+    # what the apply point would have hidden the job behind: apply_delay steps
+    hidden = K * per_step + z.mean + z.scatter if z.delay == K else z.delay * per_step
+    return ((max(0.0, job - (z.F + z.B)) - max(0.0, job - hidden))
+            / cfg.effective_select_interval)

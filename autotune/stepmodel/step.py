@@ -1,19 +1,18 @@
 """One prediction: a mode's graph scheduled on the lanes, its steady-state step time, stall,
-link bytes, host busy fraction and memory, and whether it fits in device memory; and the
-same for every mode at once."""
+link bytes, host busy fraction and memory, and whether it fits in device memory; the same
+for every mode at once; and the host AdamW job alone (:func:`host_update_seconds`), which
+needs no accelerator facts, so it can be checked against a host update measured on any
+machine."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .base import DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SHARDINGS, StepModelError
-from .costs import _costs
-from .hardware import Hardware
-from .memory import _memory
-from .modes import _adamw, _overlapped_offload, _zenflow, _zero_offload, _zero_offload_dpu
-from .settings import _SETTING_KEYS, zenflow_config
-from .timeline import Prediction, _window
-from .workload import Workload
+from .inputs import (DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SETTING_KEYS, SHARDINGS,
+                     Hardware, StepModelError, Workload, zenflow_config)
+from .modes import (adamw, gpu_costs, memory_use, overlapped_offload, zenflow, zenflow_split,
+                    zero_offload, zero_offload_dpu)
+from .timeline import Prediction, steady_window
 
 
 def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any = None,
@@ -37,7 +36,7 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     cfg = zenflow_config(config, **settings)
     K = window_steps or cfg.update_interval
     # ZenFlow keeps its dense set whole on the device; the other modes offload every matrix.
-    c = _costs(hw, wl, gpus, cfg.min_offload_numel,
+    c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel,
                cfg.dense_params if mode == "zenflow" else (), sharding)
     procs = hw.processes_per_host(gpus)
     threads = cfg.host_threads or (max(1, hw.host_cores // procs) if hw.host_cores
@@ -47,33 +46,33 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     notes: list[str] = []
     out_settings = None
     if mode == "adamw":
-        (lanes, starts), down_b, up_b = _adamw(c, K), 0.0, 0.0
+        (lanes, starts), down_b, up_b = adamw(c, K), 0.0, 0.0
         if gpus > 1 and sharding == "ddp":
             notes.append("optimizer state sharded over the GPUs (ZeRO-1/2); its all-gather "
                          "is not modelled")
     elif mode == "zero-offload":
-        (lanes, starts), down_b, up_b = _zero_offload(c, K), P * c.b, P * c.b
+        (lanes, starts), down_b, up_b = zero_offload(c, K), P * c.b, P * c.b
     elif mode == "zero-offload-dpu":
-        (lanes, starts), down_b, up_b = _zero_offload_dpu(c, K), P * c.b, P * c.b
+        (lanes, starts), down_b, up_b = zero_offload_dpu(c, K), P * c.b, P * c.b
     elif mode == "overlapped-offload":
-        (lanes, starts), down_b, up_b = _overlapped_offload(c, K), P * c.b, P * c.b
+        (lanes, starts), down_b, up_b = overlapped_offload(c, K), P * c.b, P * c.b
     else:
         K = cfg.update_interval
-        (lanes, starts), extra, info = _zenflow(c, K, wl, cfg, prefetch_result)
+        (lanes, starts), extra, info = zenflow(c, K, wl, cfg, prefetch_result)
         down_b = info["link_down_per_window"] / K
         up_b = info["link_up_per_window"] / K
-        out_settings = {k: getattr(cfg, k) for k in _SETTING_KEYS}
+        out_settings = {k: getattr(cfg, k) for k in SETTING_KEYS}
         out_settings["select_interval"] = cfg.effective_select_interval
         out_settings["prefetch_result"] = prefetch_result
         if extra:
             notes.append(f"a reselection every {cfg.effective_select_interval} steps drains "
                          f"the host job: +{extra * 1e3:.3g} ms per step, amortised")
-    window, segs, busy = _window(lanes, starts)
+    window, segs, busy = steady_window(lanes, starts)
     busy_dev, busy_host = busy["device"], busy["host"]
     step = window / K + extra
     stall = (window - busy_dev + K * extra) / (K * step) if step > 0 else 0.0
     host_busy = busy_host / (K * step) if step > 0 else 0.0
-    mem = _memory(mode, wl, c, cfg, threads)
+    mem = memory_use(mode, wl, c, cfg, threads)
     dev_bytes = int(round(sum(mem["device"].values())))
     host_bytes = int(round(sum(mem["host"].values())))
     fits = hw.device_memory_bytes is None or dev_bytes <= hw.device_memory_bytes
@@ -96,3 +95,13 @@ def predict_all(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None
     """:func:`predict` for every mode, windows of the zenflow ``update_interval`` steps."""
     cfg = zenflow_config(config, **settings)
     return {m: predict(hw, wl, m, gpus=gpus, config=cfg, sharding=sharding) for m in modes}
+
+
+def host_update_seconds(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
+                        **settings: Any) -> float:
+    """The model's time of one host AdamW job at a window boundary (ZenFlow, host-owned
+    elements of this GPU's rows / host rate). Needs no accelerator facts (the cpu profile
+    works), so it can be checked against a measured host update on any machine."""
+    cfg = zenflow_config(config, **settings)
+    e_host = zenflow_split(wl, cfg)[1]
+    return e_host / gpus / hw.host_rate(gpus)

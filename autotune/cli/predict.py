@@ -1,0 +1,85 @@
+"""``zenflow-tune predict``: the step-time model (:mod:`autotune.stepmodel`) of a model preset
+on a hardware profile, every mode, as a table (or JSON) and optionally a plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from zenflow_triton.profiles import load_profile
+
+from .. import detect
+from .. import stepmodel as M
+from . import EXIT_OK, UsageError
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
+    if args.topk_ratio is not None and not 0 <= args.topk_ratio <= 1:
+        raise UsageError(f"--topk-ratio must be in [0, 1], got {args.topk_ratio}")
+    prof = load_profile(args.profile)  # unknown: ProfileNotFoundError names the known ones
+    measured = detect.measure_host_adam() if args.measure_host else None
+    hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=measured)
+    wl = M.Workload.from_preset(args.model, tokens=args.tokens or M.DEFAULT_TOKENS,
+                                mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
+    settings, overrides = _settings(args, prof.settings)
+    cfg = M.zenflow_config(settings, **overrides)
+    preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
+    if args.plot:
+        M.plot_timelines(preds, args.plot, title=f"{wl.name} on {hw.name}, {args.gpus} GPU(s), "
+                                                 f"{wl.tokens} tokens/GPU/step (model)")
+    if args.json:
+        print(json.dumps({m: p.to_dict() for m, p in preds.items()}, indent=2))
+        return EXIT_OK
+    other = "host" if cfg.accumulate_on == "device" else "device"
+    alt = M.predict(hw, wl, "zenflow", gpus=args.gpus, config=cfg.replace(accumulate_on=other),
+                    sharding=args.sharding)
+    shown = dict(preds)
+    shown[f"zenflow (accumulate_on={other!r})"] = alt
+    _print_report(args, hw, wl, cfg, shown)
+    return EXIT_OK
+
+
+def _settings(args: argparse.Namespace,
+              profile_settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The profile's ZenFlow settings and the options that override them."""
+    overrides = {k: v for k, v in (("topk_ratio", args.topk_ratio),
+                                   ("update_interval", args.update_interval),
+                                   ("select_interval", args.select_interval),
+                                   ("apply_delay", args.apply_delay),
+                                   ("accumulate_on", args.accumulate_on),
+                                   ("dense_params", None if args.dense_params is None
+                                    else tuple(args.dense_params))) if v is not None}
+    # a profile's select_interval and apply_delay belong to its update_interval
+    settings = {k: v for k, v in profile_settings.items()
+                if not (k in ("select_interval", "apply_delay")
+                        and ("update_interval" in overrides or k in overrides))}
+    return settings, overrides
+
+
+def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: Any,
+                  shown: dict[str, M.Prediction]) -> None:
+    rate, how = hw.host_rate_and_source(args.gpus)
+    print(f"Model prediction (not a measurement): {wl.name} ({wl.numel / 1e9:.2f}B params, "
+          f"{wl.dtype}) on {hw.name}, {args.gpus} GPU(s) ({args.sharding}), {wl.tokens} "
+          f"tokens per GPU per step, MFU {wl.mfu:g}; host AdamW {rate:.3g} elements/s per GPU "
+          f"({how}).")
+    if args.sharding == "fsdp2" and args.gpus > 1:
+        print("fsdp2: memory per GPU is its rows of the params, gradients and state; the "
+              "all-gathered layers in flight and FSDP's own collectives are not modelled.")
+    print(f"zenflow: topk_ratio={cfg.topk_ratio}, update_interval={cfg.update_interval}, "
+          f"overlap={cfg.overlap}, apply_delay={cfg.effective_apply_delay}, "
+          f"accumulate_on={cfg.accumulate_on!r}, "
+          f"dense_params={cfg.dense_params!r}. Memory excludes "
+          "activations. docs/stepmodel.md has the formulas.")
+    print()
+    print(M.markdown_table(shown))
+    notes = [f"{m}: {n}" for m, p in shown.items() for n in p.notes]
+    if notes:
+        print()
+        for n in notes:
+            print(f"* {n}")
+    if args.plot:
+        print(f"\nwrote {args.plot}")
