@@ -33,33 +33,18 @@ Shared by both backends: ``nonfinite_flags(grads, exact=False) -> bool [n]`` on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 from .accumulate import accumulate_columns_ref
 from .adamw import adamw_ref
 from .column_scores import column_scores_ref
 from .columns import gather_columns_ref, scatter_columns_ref
 from .finite import confirm as confirm_nonfinite
 from .finite import nonfinite_flags
+from .ops import KernelOps
 from .scatter_multi import scatter_columns_multi_ref
 from .selective_adamw import selective_adamw_ref
 from .selective_adamw_multi import selective_adamw_accumulate_ref
 
 BACKENDS = ("torch", "triton")
-
-
-@dataclass(frozen=True)
-class KernelOps:
-    name: str
-    column_scores: Callable
-    selective_adamw: Callable
-    selective_adamw_accumulate: Callable
-    adamw: Callable
-    accumulate_columns: Callable
-    gather_columns: Callable
-    scatter_columns: Callable
-    scatter_columns_multi: Callable
 
 
 TORCH_OPS = KernelOps(

@@ -22,7 +22,7 @@ import triton  # noqa: F401  (ImportError here = backend unavailable)
 import torch
 from torch.library import triton_op
 
-from . import KernelOps
+from .ops import KernelOps
 from .accumulate import accumulate_columns as _accumulate_columns_launch
 from .adamw import adamw_scalars_launch as _adamw_launch
 from .column_scores import column_scores as _column_scores_launch
