@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .waits import wait_until
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -58,11 +60,9 @@ def to_host_memory(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.T
 def wait_event(event, timeout: float, what: str) -> None:
     """Block the calling thread until a CUDA ``event`` is reached, polling; TimeoutError after
     ``timeout`` seconds naming ``what``. Every wait on a copy goes through here."""
-    deadline = time.monotonic() + timeout
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not finish within {timeout} s")
-        time.sleep(_POLL_S)
+    wait_until(lambda poll_s: event.query() or time.sleep(poll_s), timeout,
+               lambda: TimeoutError(f"{what} did not finish within {timeout} s"),
+               poll_s=_POLL_S)
 
 
 class CudaStreams:

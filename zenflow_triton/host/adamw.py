@@ -51,6 +51,7 @@ import torch
 from .. import adamw_math
 from ..adamw_math import adamw_
 from ..transfer import host_empty
+from ..waits import wait_until
 
 ALIGN = 64
 """Pieces start at multiples of this many elements (see the module docstring)."""
@@ -581,19 +582,19 @@ class HostAdamW:
     def _wait(self, pool: _Pool, futures: list[Future], batches) -> None:
         # TIMEOUT_GRACE: a caller that waits for this call with the same timeout (the
         # optimizer's host worker) reports the timeout itself, first.
-        deadline = time.monotonic() + self.timeout + TIMEOUT_GRACE_S
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=min(_POLL_S, max(0.0, deadline -
-                                                                   time.monotonic())),
-                                 return_when=FIRST_EXCEPTION)
+        budget = self.timeout + TIMEOUT_GRACE_S
+        deadline = time.monotonic() + budget
+        left = [set(futures)]
+
+        def finished(poll_s: float) -> bool:
+            done, left[0] = wait(left[0], timeout=poll_s, return_when=FIRST_EXCEPTION)
             failed = [f for f in done if f.exception() is not None]
             if failed:
-                for f in pending:
+                for f in left[0]:
                     f.cancel()
                 # Let the pieces already running finish before the caller touches the
                 # buffers again (bounded by the same deadline).
-                wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+                wait(left[0], timeout=max(0.0, deadline - time.monotonic()))
                 f = min(failed, key=futures.index)
                 exc = f.exception()
                 ti, s, e = batches[futures.index(f)][1][0]
@@ -601,10 +602,16 @@ class HostAdamW:
                     exc.add_note(f"(in host AdamW: the kernel call on task {ti}, elements "
                                  f"[{s}:{e}), and the pieces batched with it)")
                 raise exc
-            if pending and time.monotonic() >= deadline:
-                for f in pending:
-                    f.cancel()
-                raise TimeoutError(f"host AdamW did not finish {len(pending)} of "
-                                   f"{len(futures)} pieces within timeout={self.timeout} s")
-            if pending and not pool.alive():
+            return not left[0]
+
+        def alive() -> None:
+            if not pool.alive():
                 raise HostAdamWError("a host AdamW worker thread died")
+
+        def timed_out() -> BaseException:
+            for f in left[0]:
+                f.cancel()
+            return TimeoutError(f"host AdamW did not finish {len(left[0])} of "
+                                f"{len(futures)} pieces within timeout={self.timeout} s")
+
+        wait_until(finished, budget, timed_out, poll_s=_POLL_S, check=alive)

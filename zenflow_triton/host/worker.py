@@ -17,6 +17,8 @@ import time
 import traceback
 from typing import Callable
 
+from ..waits import wait_until
+
 _POLL_S = 0.05
 
 
@@ -73,13 +75,14 @@ class HostWorker:
     def wait_event(self, event: threading.Event, label: str) -> None:
         """Block until the worker sets ``event``; bounded by ``timeout`` and by the worker's
         liveness."""
-        deadline = time.monotonic() + self.timeout
-        while not event.wait(_POLL_S):
+        def check() -> None:
             if not self.alive:
                 raise HostWorkerError(f"the host worker thread died before finishing {label}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"host work {label} did not finish within host_timeout="
-                                   f"{self.timeout} s")
+
+        wait_until(event.wait, self.timeout,
+                   lambda: TimeoutError(f"host work {label} did not finish within "
+                                        f"host_timeout={self.timeout} s"),
+                   poll_s=_POLL_S, check=check)
 
     def wait(self, job: HostJob) -> None:
         """Block until ``job`` finishes; raise HostWorkerError if it failed or the worker died."""
