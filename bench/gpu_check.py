@@ -82,7 +82,7 @@ ZF = dict(lr=1e-3, weight_decay=0.01, topk_ratio=0.1, update_interval=4, select_
 
 
 def trajectory(width, layers, device, steps=12) -> dict:
-    from tests.helpers import fp32_masters, fp32_run_tol
+    from tests.support.helpers import fp32_masters, fp32_run_tol
     from zenflow_triton import ZenFlowOptimizer
 
     runs = {}

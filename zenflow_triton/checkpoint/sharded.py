@@ -7,12 +7,12 @@ Works on a state dict, the params and the row shard (``ZenFlowOptimizer.save_sha
 rows of every host half onto every rank, which a large model may not afford. Here each rank
 writes only its own rows instead: the host halves (``host_master``, ``host_m``, ``host_v``)
 and the window accumulator (on either side) become DTensors sharded by rows
-(``Shard(0)``: the row split of ``shard.RowShard`` is ``torch.chunk``'s, which is DTensor's),
+(``Shard(0)``: the row split of ``dist.shard.RowShard`` is ``torch.chunk``'s, which is DTensor's),
 the device state is replicated (DCP writes it once), and the rest is JSON. DCP reshards on
 load, so a checkpoint loads into any world size, a single process included. Under FSDP2
 the state dict's per-row tensors are DTensors already (device halves included: each rank
 holds its rows of everything), written as they are and read into templates of the same
-layout (``fsdp.rows_template``).
+layout (``dist.fsdp.rows_template``).
 
 Flat keys, so no nested-dict flattening is involved: ``param_groups`` and ``zenflow``
 (JSON), and per param index ``i``: ``state.i.<tensor key>`` and ``state.i.meta`` (the

@@ -343,7 +343,7 @@ def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
     applied. ``rows_of(total)``: this rank's rows of a host half of ``total`` rows;
     ``kind_of(p)``: MATRIX or SMALL, as this optimizer classifies ``p``; ``local_of(p,
     saved)``: the tensor this rank computes on for ``p`` and ``saved`` as it holds it
-    (FSDP2: its rows; see ``fsdp.state_as_local``), None for whole params.
+    (FSDP2: its rows; see ``dist.fsdp.state_as_local``), None for whole params.
 
     The format's meta (``"zenflow"``: version, global step, config) is read from the state
     dict, or from its first param group where a framework kept only ``state`` and

@@ -46,7 +46,7 @@ def migrate_many(moves: Sequence[Move], *, ops: KernelOps, link: Link,
     device cross in one blocking copy (the host needs them), and the index tables and the
     entering columns in one non-blocking copy each.
 
-    ``shard`` (a ``shard.RowShard``, data parallelism): this rank's host state holds only its
+    ``shard`` (a ``dist.shard.RowShard``, data parallelism): this rank's host state holds only its
     rows; the columns leaving the device keep this rank's rows, and those entering it are
     gathered from every rank's rows (one all-gather per device).
     """
