@@ -1,5 +1,5 @@
 """FSDP2 (``fully_shard``): every param a DTensor sharded by rows, each rank's optimizer on
-its own rows (``zenflow_triton.fsdp``). On 2 gloo CPU ranks spawned by the test (the
+its own rows (``zenflow_triton.dist.fsdp``). On 2 gloo CPU ranks spawned by the test (the
 harness of ``test_distributed``), against one process on the whole batch and against
 ``torch.optim.AdamW`` under FSDP2.
 
