@@ -445,7 +445,7 @@ def test_resume_after_sigkill_keeps_finished_trials_and_fails_the_killed_one(dir
     assert not [t for t in after.values() if t.state == TrialState.RUNNING]
     finished = [t for t in after.values() if t.state in S.FINISHED]
     assert len(finished) == 5                                    # nothing lost or duplicated
-    assert 'ZenFlowOptimizer.from_profile("kill-prof", model.parameters(), lr=0.003)' in res.stdout
+    assert 'ZenFlowOptimizer.from_profile("kill-prof", model.named_parameters(), lr=0.003)' in res.stdout
     assert load_profile("kill-prof").provenance["study"] == "kill"
 
 

@@ -47,8 +47,9 @@ def uninterrupted(data, dtype, **cfg):
     opt, sched = fresh(model, **cfg)
     train(model, opt, data, sched)
     opt.synchronize()
+    out = params_of(model)  # (close() would go on to finish the open window)
     opt.close()
-    return params_of(model)
+    return out
 
 
 @pytest.mark.parametrize("accumulate_on,dtype,apply_delay", [
@@ -205,7 +206,7 @@ def test_save_sharded_in_one_process_round_trips(tmp_path):
         if resume:
             train(model, opt, data[:6])
             opt.save_sharded(tmp_path / "ck")
-            opt.close()
+            opt.close(finish=False)  # handed over: the new optimizer goes on from here
             opt = ZenFlowOptimizer(model.parameters(), lr=1e-2, **cfg)
             opt.load_sharded(tmp_path / "ck")
             assert {st["host_m"].dtype for st in opt.state.values() if "host_m" in st} \

@@ -10,6 +10,7 @@ with a clear error, within ``host_timeout``.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -204,7 +205,7 @@ def _resume_scenario(rank: int) -> dict:
         full_rows = [s["host_master"].shape[0] for s in sd["state"].values()
                      if "host_master" in s]
         torch.save(sd, buf)
-        opt.close()
+        opt.close(finish=False)  # handed over: the new optimizer goes on
         buf.seek(0)
         new = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
         new.load_state_dict(torch.load(buf, weights_only=True))
@@ -311,7 +312,7 @@ def _dcp_scenario(rank: int) -> dict:
     def checkpoint(opt, model, cfg):
         opt.save_sharded(path)
         full = opt.state_dict()
-        opt.close()
+        opt.close(finish=False)  # handed over: the new optimizer goes on
         new = ZenFlowOptimizer(model.parameters(), lr=LR, **cfg)
         new.load_sharded(path)
         return new, full
@@ -418,7 +419,7 @@ def test_sharded_checkpoint_resumes_and_loads_into_one_process(tmp_path):
     with ZenFlowOptimizer(model.parameters(), lr=LR,
                           **RESUME_CFG) as opt:
         opt.load_sharded(ranks[0]["path"])
-        mine = opt.state_dict()
+        mine = copy.deepcopy(opt.state_dict())  # (leaving the block finishes: live tensors)
     assert mine["zenflow"]["global_step"] == full["zenflow"]["global_step"] == 6
     for i, st in full["state"].items():
         for key, value in st.items():

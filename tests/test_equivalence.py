@@ -456,7 +456,7 @@ def test_bf16_host_moments_stay_bf16_and_runs_are_deterministic():
             if i == resume_at:
                 buf = _io.BytesIO()
                 torch.save(opt.state_dict(), buf)
-                opt.close()
+                opt.close(finish=False)  # handed over: the new optimizer goes on
                 buf.seek(0)
                 opt = ZenFlowOptimizer(groups(model), min_offload_numel=64,
                                        host_threads=threads, chunk_size=chunk, **cfg)

@@ -148,7 +148,7 @@ def test_migration_keeps_bias_corrected_moments_under_other_step_counts():
         if t == 8:
             assert st["device_idx"].tolist() == first
             assert (st["device_step"], st["host_step"]) == (8, 2)
-    opt.close()
+    opt.close(finish=False)  # st holds the live state: leave it as the last step left it
     assert st["device_idx"].tolist() == second, "the selection did move"
     assert st["device_step"] == 9 and st["host_step"] == 2
     host_pos = {c: i for i, c in enumerate(st["host_idx"].tolist())}

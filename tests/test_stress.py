@@ -60,7 +60,7 @@ def run_zenflow(feed, plan, cfg, **host):
                 buf = io.BytesIO()
                 torch.save(opt.state_dict(), buf)
                 buf.seek(0)
-                opt.close()
+                opt.close(finish=False)  # handed over: the new optimizer goes on
                 opt = ZenFlowOptimizer(param_groups(model, lr=LR), min_offload_numel=64,
                                        host_timeout=30.0, **cfg, **host)
                 opt.load_state_dict(torch.load(buf, weights_only=True))

@@ -1,18 +1,33 @@
-"""The HF Trainer's checkpoints under data parallelism.
+"""The HF Trainer with ZenFlow: :func:`trainer_kwargs` builds the optimizer and the callback.
 
-The Trainer calls ``optimizer.state_dict()`` on rank 0 only, but under DDP a ZenFlow state
-dict gathers every rank's rows of the host halves: a collective that the other ranks never
-join. :class:`ZenFlowCallback` has every rank gather them at the end of a step that will
-save (``control.should_save``, set by the Trainer before the callbacks run), through
-``ZenFlowOptimizer.prepare_state_dict``; rank 0's ``state_dict()`` then returns that, with no
-collective. On one process it costs nothing more than the save itself. Importing this
-module needs ``transformers``; the library does not otherwise.
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds,
+                                   **trainer_kwargs(model, args, topk_ratio=0.1))
+    trainer.train()
+    trainer.save_model(out_dir)       # every gradient applied: the callback finished training
 
-    trainer = transformers.Trainer(..., optimizers=(opt, scheduler),
-                                   callbacks=[ZenFlowCallback()])
+What :class:`ZenFlowCallback` does, and why the Trainer needs it:
+
+* at the end of ``train()`` it calls ``ZenFlowOptimizer.finish()``: the open window goes to
+  the host and every host result is applied, so ``trainer.save_model()`` writes weights that
+  hold every gradient;
+* under data parallelism the Trainer calls ``optimizer.state_dict()`` on rank 0 only, but a
+  ZenFlow state dict gathers every rank's rows of the host halves (a collective): at the end
+  of a step that will save (``control.should_save``) every rank gathers it through
+  ``ZenFlowOptimizer.prepare_state_dict``, and rank 0's ``state_dict()`` returns that.
+
+A mid-training checkpoint (``checkpoint-N/``) is written without changing the trajectory: its
+``optimizer.pt`` holds the host work still pending (a resume from it equals the uninterrupted
+run, bit for bit), and its ``model.safetensors`` holds the weights as they are at step N, so
+the host-owned columns lack the windows not yet applied (at most two windows of gradients).
+For an inference-ready copy of a checkpoint, resume from it and finish:
+``trainer.train(resume_from_checkpoint=path)`` with ``max_steps`` at its step, then
+``trainer.save_model()``. Importing this module needs ``transformers``; the library does not
+otherwise.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from transformers import TrainerCallback
 
@@ -30,7 +45,8 @@ def _zenflow(optimizer) -> ZenFlowOptimizer | None:
 
 
 class ZenFlowCallback(TrainerCallback):
-    """Gathers the ZenFlow state dict on every rank before the Trainer saves a checkpoint."""
+    """Finishes training at the end of ``train()``; gathers the ZenFlow state dict on every
+    rank before the Trainer saves a checkpoint."""
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         if control.should_save and not args.save_only_model:
@@ -38,3 +54,41 @@ class ZenFlowCallback(TrainerCallback):
             if opt is not None:
                 opt.prepare_state_dict()
         return control
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        opt = _zenflow(optimizer)
+        if opt is not None:
+            opt.finish()
+        return control
+
+
+def trainer_kwargs(model, args=None, *, profile: str | None = None,
+                   **zenflow: Any) -> dict[str, Any]:
+    """``optimizers`` and ``callbacks`` for ``transformers.Trainer``: a ZenFlowOptimizer over
+    the model's named params (so the dense set applies), in the Trainer's own two groups
+    (weight decay on every param but biases and norm weights, then those without), with the
+    hyperparameters of ``args`` (``TrainingArguments``: learning_rate, weight_decay, adam
+    betas and epsilon) and a profile's settings (``profile``) or ZenFlow settings given as
+    keywords (which win); and :class:`ZenFlowCallback`. The Trainer makes the lr schedule."""
+    from transformers import Trainer
+
+    hyper = {}
+    if args is not None:
+        hyper = dict(lr=args.learning_rate, weight_decay=args.weight_decay,
+                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    hyper.update({k: zenflow.pop(k) for k in ("lr", "weight_decay", "betas", "eps")
+                  if k in zenflow})
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    wd = hyper.pop("weight_decay", 0.0)
+    groups = [{"params": [(n, p) for n, p in named if n in decay], "weight_decay": wd},
+              {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if profile is not None:
+        opt = ZenFlowOptimizer.from_profile(profile, groups, **hyper, **zenflow)
+    else:
+        opt = ZenFlowOptimizer(groups, **hyper, **zenflow)
+    return {"optimizers": (opt, None), "callbacks": [ZenFlowCallback()]}
+
+
+__all__ = ["ZenFlowCallback", "trainer_kwargs"]

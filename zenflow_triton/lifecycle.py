@@ -18,7 +18,7 @@ def _close_open_optimizers() -> None:
     down). atexit runs before that: wait for the work (bounded) and stop the threads."""
     for opt in list(_OPEN):
         try:
-            opt.close()
+            opt._stop()  # nothing can be saved any more: stop, apply nothing
         except Exception:  # never turn a clean exit into an error
             pass
 
@@ -45,6 +45,9 @@ class HostThreads:
         _OPEN.add(self)
 
     def close(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
         """Stop the host threads (after waiting for work in flight); idempotent."""
         if getattr(self, "_closed", True):
             return
@@ -60,8 +63,11 @@ class HostThreads:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # an exception is on its way out: stop the threads, change nothing
+            self._stop()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """copy.copy, copy.deepcopy and pickle keep torch's part of an optimizer only

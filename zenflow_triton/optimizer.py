@@ -15,18 +15,18 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .checkpoint.state_dict import (SD_VERSION, adamw_state_dict, build, check_group_flags,
-                                    config_change, read, refuse_open_windows)
+from .checkpoint.state_dict import (SD_VERSION, adamw_state_dict, build, config_change, read,
+                                    refuse_open_windows, without_kernel_choices)
 from .columns.split import ColumnSplit
 from .config import ZenFlowConfig, check_hyper
 from .device import DeviceHalf
 from .dist.fsdp import (LocalState, check_same_kind, local, local_view, localize,
                         refuse)
-from .dist.shard import RowShard, ShardError
+from .dist.shard import RowShard
 from .guards.faults import OptimizerFailedError, StepGuard
-from .guards.finite_check import FiniteWatch, reads_at_boundary, undo_of
-from .guards.inputs import NonFiniteGradientError, Work, check_params, collect
-from .host import HostAdamW, HostPipeline, HostWorker, HostWorkerError
+from .guards.finite_check import FiniteWatch, undo_of
+from .guards.inputs import NonFiniteGradientError, Work, check_names, check_params, collect
+from .host import HostPipeline, HostWorkerError
 from .host.apply import anything_pending, apply_pending
 from .host.window import close_windows
 from .kernels import KernelOps, get_ops, resolve_backend
@@ -58,6 +58,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, config: ZenFlowConfig | None = None,
                  process_group: Any = None, **config_fields: Any) -> None:
+        config_fields = without_kernel_choices(config_fields, "keyword arguments")
         self.config = cfg = ZenFlowConfig.of(config, config_fields)
         check_hyper(lr, betas, eps, weight_decay, where="defaults")
         self._index = ParamIndex(lambda: self.param_groups, cfg, self._owner)
@@ -67,18 +68,15 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                                       weight_decay=weight_decay))
         self._check_hyper()
         check_params(self.param_groups, self._kind, self._param_name)
+        check_names(self.param_groups, cfg)
         self._states = LocalState(self.state, self._params())
         self._backend = resolve_backend(cfg.backend, self._params())
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
         self._shard = RowShard.for_params(self._params(), process_group, cfg.host_timeout)
-        threads = cfg.host_threads or max(1, torch.get_num_threads())
-        self._host_adamw = HostAdamW(threads, cfg.chunk_size, cfg.host_timeout,
-                                     cores=cfg.host_cores)
-        self._worker = HostWorker(cfg.host_timeout)
         # The host half's buffers, jobs and waits (staging, outboxes, the job in flight).
-        self._pipeline = HostPipeline(self.link, self._host_adamw, self._worker,
-                                      cfg.host_timeout)
+        self._pipeline = HostPipeline.for_config(self.link, cfg)
+        self._worker, self._host_adamw = self._pipeline.worker, self._pipeline.adamw
         self._dev = DeviceHalf(self.ops, self.link, self._shard, cfg)
         self._split = ColumnSplit(self.ops, self.link, cfg, self._shard, self._dev)
         self._guard = StepGuard(self._pipeline)  # the failed state; all-or-nothing steps
@@ -86,11 +84,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self._global_step = 0
         self._own_threads(self._worker, self._host_adamw)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
-        fsdp = self._fsdp
-        self._finite = FiniteWatch(
-            reads_at_boundary(cfg, self._backend, fsdp, self._params()), self._param_name,
-            vote=(lambda flags: self._shard.any_rank(
-                flags, "a vote on the gradients' NaN/inf flags")) if fsdp else None)
+        self._finite = FiniteWatch.for_optimizer(cfg, self._backend, self._shard,
+                                                 self._params(), self._param_name)
         self._prepared: tuple[int, dict] | None = None  # prepare_state_dict's, until a change
 
     def _owner(self, t: torch.Tensor) -> torch.Tensor:
@@ -108,14 +103,12 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         and a Tensor lr."""
         if isinstance(param_group, dict):
             index = len(getattr(self, "param_groups", []))
-            check_group_flags(param_group, f"param group {index}")
+            param_group = without_kernel_choices(param_group, f"param group {index}")
         super().add_param_group(param_group)
         if hasattr(self, "_states"):  # after construction: checked, and of the same kind
-            group = self.param_groups[-1]
-            fsdp = self._fsdp
             try:
-                check_params([group], self._kind, self._param_name)
-                check_same_kind(group["params"], fsdp)
+                check_params(self.param_groups[-1:], self._kind, self._param_name)
+                check_same_kind(self.param_groups[-1]["params"], self._fsdp)
             except BaseException:
                 self.param_groups.pop()  # nothing of the refused group stays
                 raise
@@ -138,15 +131,16 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         return self._backend
 
     # ------------------------------------------------------------------ the step
+    # Not for torch.compile: a step waits on host threads and reads host-side schedules, which
+    # Dynamo would trace into, graph-break on and recompile at every step count; the device
+    # work is already fused kernels (registered ops where compiled code calls them).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        """One optimizer step; ``closure`` (re-)computes the loss under grad mode first.
-
-        A step is all or nothing: the closure, the checks and the first waits happen before
-        anything changes; after that the step finishes, and a KeyboardInterrupt that arrives
-        meanwhile (Ctrl-C, or inside a wait for host work) is raised once it has (so
-        ``stats()["steps"]`` says whether the interrupted step counts). Anything else that
-        raises mid-step leaves the optimizer failed (:class:`OptimizerFailedError`)."""
+        """One optimizer step; ``closure`` (re-)computes the loss under grad mode first. All
+        or nothing: a KeyboardInterrupt after its first change is raised once it is done
+        (``stats()["steps"]`` says whether it counts); anything else raising mid-step leaves
+        the optimizer failed (:class:`OptimizerFailedError`)."""
         self._check_open()
         self._guard.check()
         self._prepared = None
@@ -159,8 +153,10 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         moves, defer = self._check(work, plan)
         self._prepare_state(work)
         self._guard.before(self._wait_before_step, self._shard.collective, self._global_step)
-        if defer:
-            self._finite.defer(work, self._global_step + 1, self._undo_of(work))
+        if defer:  # a masked step's host-side counters come back if it was bad
+            step = self._global_step
+            self._finite.defer(work, step + 1, undo_of([self._states[p] for _, p, _ in work],
+                                                       lambda: setattr(self, "_global_step", step)))
         with self._guard.whole_step(lambda: self._global_step):
             self._global_step += 1
             self._select(work, plan, moves)
@@ -182,10 +178,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         return work
 
     def _check(self, work: Work, plan: StepPlan) -> tuple[list | None, bool]:
-        """The NaN/inf check, before anything changes: read now, or (``check_finite_at=
-        "boundary"``, a steady step) left on the device to mask this step's update if bad
-        (``guards.finite_check``); at a reselection read in the same copy as the picks, which
-        are planned now (scoring and picking change nothing). Returns ``(moves, defer)``."""
+        """The NaN/inf check before any change: read now, deferred on the device (a steady
+        step), or read with a reselection's picks, planned now. Returns ``(moves, defer)``."""
         cfg = self.config
         may_defer = cfg.check_finite and self._finite.at_boundary and plan.steady
         setup = (may_defer or plan.reselect) and needs_setup(work, self._states)  # looked at once
@@ -199,9 +193,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         return moves, defer
 
     def _select(self, work: Work, plan: StepPlan, moves: list | None) -> None:
-        """A reselection (``moves``: planned before the step changed anything, else planned
-        here after the drain); after warm-up, the first selection of a param seen for the
-        first time (its accumulator is empty and nothing of it is pending)."""
+        """A reselection (``moves`` planned before any change, or after the drain); after
+        warm-up, the first selection of a param seen for the first time."""
         if plan.reselect:
             self._drain()
             self._counters["selection_refreshes"] += 1
@@ -218,14 +211,17 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         if self._due(plan.drain_before):
             self._drain()
         if plan.boundary:
-            windows = close_windows(self.param_groups, self.state, self.config, self._shard,
-                                    direct, plan.apply_now, plan.warmup)
-            if windows:
-                self._counters["host_updates"] += 1
-                self._pipeline.launch(windows, plan.apply_now,
-                                      f"host AdamW of step {self._global_step}")
+            self._launch(direct, plan.apply_now, plan.warmup, f"step {self._global_step}")
         if self._due(plan.drain_after):
             self._drain()
+
+    def _launch(self, direct: dict, apply_now: bool, warmup: bool, label: str) -> None:
+        """One host job for every window that holds gradients (``host.window``)."""
+        windows = close_windows(self.param_groups, self.state, self.config, self._shard,
+                                direct, apply_now, warmup)
+        if windows:
+            self._counters["host_updates"] += 1
+            self._pipeline.launch(windows, apply_now, f"host AdamW of {label}")
 
     def _due(self, drain) -> bool:
         """Whether a drain of the plan happens (``schedule.Drain``)."""
@@ -246,10 +242,6 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], where=f"{what} {gi}")
 
 
-    def _undo_of(self, work: Work) -> Callable[[], None]:
-        step = self._global_step
-        return undo_of([self._states[p] for _, p, _ in work],
-                       lambda: setattr(self, "_global_step", step))
 
     def _prepare_state(self, work: Work) -> None:
         """Every param of the step with its state made or put back where it belongs."""
@@ -296,12 +288,35 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             self._finite.settle()  # a deferred NaN/inf check raises here, rolled back
         self._guard.or_fail(self._drain, self._global_step)
 
+    def finish(self) -> None:
+        """End training: the open windows go to the host now and every host result is
+        applied, so what is saved next holds every gradient given to :meth:`step`. The last
+        call of a loop (:meth:`close` makes it); training may go on after it."""
+        self.synchronize()  # the job in flight and pending results first
+        with self._guard.whole_step(lambda: self._global_step):  # all or nothing, as a step
+            self._launch({}, True, False, f"the open windows at step {self._global_step}")
+            self._drain()
+
+    def close(self, finish: bool = True) -> None:
+        """:meth:`finish`, then stop the host threads; idempotent. ``finish=False`` (a state
+        handed to a new optimizer of the same model), a failed optimizer or a ``with`` block
+        left by an exception only stop them: the params stay as they are."""
+        if not finish or getattr(self, "_closed", True) or self._guard.failure is not None:
+            return self._stop()
+        try:
+            self.finish()
+        finally:
+            self._stop()
+
     def train(self) -> "ZenFlowOptimizer":
         self._training = True
         return self
 
     def eval(self) -> "ZenFlowOptimizer":
-        """Apply pending host results so evaluation sees fully updated weights."""
+        """Apply pending host results now, so evaluation sees the weights of every finished
+        window (the open window's gradients wait for its boundary; :meth:`finish` applies
+        those too). Like :meth:`synchronize` this changes the trajectory, deterministically:
+        the deferred columns skip their staleness once."""
         self._training = False
         if not self._closed:
             self._guard.check()
@@ -325,23 +340,18 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and primitives only. Host work in flight is finished first and saved as
-        pending (``host_pending``), to be applied at the step it would have been anyway.
-        Under data parallelism: collective, and the full form (every rank's rows of every
-        host half, gathered); :meth:`save_sharded` writes each rank's rows instead. After
-        :meth:`prepare_state_dict` (on every rank) and before the next change, the prepared
-        state dict, with no collective: one rank may then call this alone."""
+        """Tensors and primitives only; host work in flight finished and saved as pending, to
+        be applied at the step it would have been. Under data parallelism: collective, the
+        full form (every rank's rows), unless :meth:`prepare_state_dict` made it already."""
         prepared = getattr(self, "_prepared", None)  # a copy (__setstate__) has none
         if prepared is not None and prepared[0] == self._global_step:
             return prepared[1]
         return self._state_dict(gather=True)
 
     def prepare_state_dict(self) -> None:
-        """Gather the full state dict now (collective under data parallelism: every rank
-        calls it) and keep it until the next change (step, synchronize, load), so that a
-        following :meth:`state_dict` on one rank alone makes no collective. For frameworks
-        that save on rank 0 only, such as the HF Trainer (``zenflow_triton.hf.ZenFlowCallback``
-        calls this on every rank before a save). A no-op for the collectives on one process."""
+        """Gather the full state dict now, on every rank, and keep it until the next change,
+        so that one rank's :meth:`state_dict` makes no collective (frameworks that save on
+        rank 0 only: ``zenflow_triton.hf.ZenFlowCallback`` calls this before a save)."""
         self._prepared = None
         self._prepared = (self._global_step, self._state_dict(gather=True))
 
@@ -384,12 +394,9 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         return sd
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
-        """This optimizer's state as ``torch.optim.AdamW.load_state_dict`` takes it (same
-        params and groups): per param one step count, and the moments of both halves, rescaled
-        to it so their bias-corrected values are unchanged, in the param's shape. Applies
-        pending host results to the params first (as :meth:`synchronize`). Refused while a
-        window is open (its accumulated gradient has no place in AdamW's state): call it
-        after a step that ends a window. Under data parallelism: collective."""
+        """This state as ``torch.optim.AdamW.load_state_dict`` takes it (same groups): one
+        step count per param, the moments rescaled to it. Applies pending results first;
+        refused while a window is open (after :meth:`finish` none is). Collective under DDP."""
         if self._fsdp:
             refuse("to_adamw_state_dict()")
         refuse_open_windows(self._params(), self.state, self._param_name)
@@ -418,11 +425,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                                                            self.config)
         if changed:
             warnings.warn(changed, UserWarning, stacklevel=2)
-        try:  # the work in flight belongs to the state being replaced, failed or not
-            self._pipeline.wait_all()
-        except (HostWorkerError, ShardError):
-            pass
-        self._pipeline.forget()
+        self._pipeline.forget()  # the work in flight belongs to the state being replaced
         for g, saved in zip(self.param_groups, loaded.groups):
             g.update(saved)
         self.state.clear()

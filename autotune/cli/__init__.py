@@ -294,7 +294,7 @@ def heartbeat_options(args: argparse.Namespace) -> dict[str, int]:
 def print_use_it(profile: str, lr: str) -> None:
     """The footer of a run that saved a profile: how to use it."""
     print("use it:")
-    print(f'    opt = ZenFlowOptimizer.from_profile("{profile}", model.parameters(), lr={lr})')
+    print(f'    opt = ZenFlowOptimizer.from_profile("{profile}", model.named_parameters(), lr={lr})')
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:

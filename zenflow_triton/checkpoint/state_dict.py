@@ -29,21 +29,32 @@ from ..dist.fsdp import wrap_state_dict
 SD_KEY = "zenflow"
 SD_VERSION = 1
 
-# torch.optim.AdamW group keys this optimizer does not implement, with the value that means
-# "off" (None for the implementation choices foreach/fused).
-UNSUPPORTED_FLAGS = {"maximize": False, "amsgrad": False, "capturable": False,
-                     "differentiable": False, "foreach": None, "fused": None}
+# torch.optim.AdamW options that change the update, which this optimizer does not implement
+# (set, they are refused: maximize=True would otherwise be ignored silently).
+UNSUPPORTED_FLAGS = {"maximize": False, "amsgrad": False}
+KERNEL_CHOICES = ("foreach", "fused", "capturable", "differentiable")
+"""torch.optim.AdamW options that choose a kernel, not the update or the state: accepted in a
+group, a saved group (HF's default ``adamw_torch_fused`` saves fused=True) or as a keyword,
+and dropped: ZenFlowOptimizer runs its own kernels."""
 
 
 def check_group_flags(group: dict, where: str) -> None:
-    """ValueError naming the first AdamW option of ``group`` that is set but not supported
-    (``maximize=True`` would otherwise be ignored silently), or a Tensor lr."""
+    """ValueError naming the first AdamW option of ``group`` that is set but not supported,
+    or a Tensor lr."""
     if isinstance(group.get("lr"), torch.Tensor):
         raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
     for key in UNSUPPORTED_FLAGS:
         if group.get(key):
             raise ValueError(f"{where}: {key}={group[key]!r} is not supported by "
                              "ZenFlowOptimizer (AdamW without it only)")
+
+
+def without_kernel_choices(options: dict, where: str) -> dict:
+    """``options`` (a param group, or keywords given to the optimizer) without AdamW's kernel
+    choices (:data:`KERNEL_CHOICES`) and the options it does not implement, refused if set."""
+    check_group_flags(options, where)
+    return {k: v for k, v in options.items()
+            if k not in KERNEL_CHOICES and k not in UNSUPPORTED_FLAGS}
 
 
 def pack(param_groups: list[dict], state: dict) -> dict[str, Any]:
@@ -278,11 +289,15 @@ def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
             state[i][key] = t.cpu()
 
 
+def open_windows(params: list[torch.Tensor], state: dict, name_of) -> list[str]:
+    """The names of the params whose window is open (gradients not yet on the host)."""
+    return [name_of(p) for p in params if isinstance(state.get(p), dict)
+            and state[p].get("acc_count", 0) > 0]
+
+
 def refuse_open_windows(params: list[torch.Tensor], state: dict, name_of) -> None:
-    """Raise where a window is open (accumulated gradients not yet on the host): AdamW's
-    state has no place for them."""
-    still_open = [name_of(p) for p in params if isinstance(state.get(p), dict)
-                  and state[p].get("acc_count", 0) > 0]
+    """Raise where a window is open: AdamW's state has no place for its gradients."""
+    still_open = open_windows(params, state, name_of)
     if still_open:
         raise ValueError("to_adamw_state_dict: a window is open (accumulated gradients "
                          f"not yet on the host) for {', '.join(still_open[:3])}; call "
@@ -352,8 +367,12 @@ def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
         raise ValueError("not an optimizer state_dict: missing 'state' or 'param_groups'")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this "
-                         f"optimizer has {len(param_groups)}")
+        raise ValueError(
+            f"state_dict has {len(saved_groups)} param groups, this optimizer has "
+            f"{len(param_groups)}: build the optimizer with the groups it was saved with, in "
+            "the same order (the HF Trainer saves two: weight decay on every param but biases "
+            "and norm weights, then those without; zenflow_triton.hf.trainer_kwargs(model) "
+            "builds them alike)")
     for gi, (g, sg) in enumerate(zip(param_groups, saved_groups)):
         if len(g["params"]) != len(sg["params"]):
             raise ValueError(f"param group {gi}: state_dict has {len(sg['params'])} "
@@ -382,8 +401,8 @@ def read(state_dict: dict, param_groups: list[dict], config: ZenFlowConfig,
             saved = from_adamw(p, saved, kind, rows, name_of(p))
         check_param_state(name_of(p), p, saved, kind, rows[1] - rows[0])
         state[param] = restore_param_state(p, saved, config, rows)
-    skip = {"params", SD_KEY} | (set(UNSUPPORTED_FLAGS) | {"decoupled_weight_decay"} if adamw
-                                 else set())
+    skip = {"params", SD_KEY, *KERNEL_CHOICES} | (set(UNSUPPORTED_FLAGS)
+                                                  | {"decoupled_weight_decay"} if adamw else set())
     groups = [{k: tuple(v) if k == "betas" else v for k, v in sg.items() if k not in skip}
               for sg in saved_groups]
     return Loaded(adamw, meta, state, groups)

@@ -85,20 +85,33 @@ class StepGuard:
         finally:
             self._pipeline.shield = None
             restore()
-        if held:
-            raise held[0]
+        if held:  # an interrupt held back: raised now, or the user's handler run now
+            first = held[0]
+            if isinstance(first, BaseException):
+                raise first
+            first()
 
 
-def _hold_sigint(held: list[BaseException]):
-    """Until the returned function is called, Ctrl-C appends a KeyboardInterrupt to ``held``
-    instead of raising it wherever the main thread is. Only where Python's own handler is in
-    place and on the main thread; elsewhere nothing changes."""
+def _hold_sigint(held: list):
+    """Until the returned function is called, SIGINT (Ctrl-C) runs nothing where the main
+    thread is: it is noted in ``held``, and the returned function, after putting the handler
+    back, delivers it to that handler once (Python's own raises KeyboardInterrupt; a user's,
+    such as a "graceful stop" that raises KeyboardInterrupt or sets a flag, runs as it would
+    have, only after the step). Only on the main thread with a Python-level handler in place
+    (not SIG_IGN or SIG_DFL); elsewhere nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     try:
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):
             return lambda: None
-        signal.signal(signal.SIGINT, lambda signum, frame: held.append(KeyboardInterrupt()))
+        caught: list = []
+        signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
     except (ValueError, OSError):  # no signals here (an embedded interpreter)
         return lambda: None
-    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, handler)
+        if caught and not held:  # raised by the handler after the step (whole_step's finally)
+            held.append(lambda: handler(*caught[0]))
+    return restore

@@ -83,6 +83,16 @@ class FiniteWatch:
         self._pending: list[_Deferred] = []
         self._skip: dict[torch.device, torch.Tensor] = {}
 
+    @classmethod
+    def for_optimizer(cls, config, backend: str, shard, params: list[torch.Tensor],
+                      name_of: Callable[[torch.Tensor], str]) -> "FiniteWatch":
+        """The check of an optimizer: read when ``config`` says (:func:`reads_at_boundary`);
+        under FSDP2 (``shard`` does not split rows itself) every rank votes on the flags."""
+        fsdp = not shard.split_rows
+        vote = (lambda flags: shard.any_rank(flags, "a vote on the gradients' NaN/inf flags")
+                ) if fsdp else None
+        return cls(reads_at_boundary(config, backend, fsdp, params), name_of, vote=vote)
+
     @property
     def pending(self) -> int:
         """Steps whose check has not been read yet."""

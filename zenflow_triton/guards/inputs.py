@@ -4,11 +4,13 @@ each step (dense, real, of the param's shape, and optionally finite)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 
 from ..dist.fsdp import check_param, is_dtensor, local
+from ..config import DEFAULT_DENSE_PARAMS, ZenFlowConfig, matches_any
 from ..state import MATRIX
 from ..columns.layout import splittable
 
@@ -64,3 +66,27 @@ def collect(param_groups: list[dict], name_of: Callable[[torch.Tensor], str]) ->
                                  "match the param")
             work.append((group, p, g))
     return work
+
+
+def check_names(param_groups: list[dict], config: ZenFlowConfig) -> None:
+    """Warn where the dense set cannot do what it says: params given without names (then
+    ``dense_params`` matches nothing, and embeddings and the LM head are split like any
+    matrix), or a pattern of the user's that matches no param's name."""
+    if not config.dense_params:
+        return
+    names = [n for g in param_groups for n in (g.get("param_names") or ())]
+    if not names:
+        if any(p.dim() >= 2 for g in param_groups for p in g["params"]):
+            warnings.warn(
+                "ZenFlowOptimizer got its params without names, so dense_params "
+                f"{config.dense_params} matches nothing: embeddings and the LM head are split "
+                "like any matrix. Pass model.named_parameters() or groups of (name, param) "
+                "pairs (for the HF Trainer: zenflow_triton.hf.trainer_kwargs(model)); "
+                "dense_params=() says no dense set is meant", UserWarning, stacklevel=3)
+        return
+    if tuple(config.dense_params) != DEFAULT_DENSE_PARAMS:
+        unmatched = [pat for pat in config.dense_params
+                     if not any(matches_any(n, (pat,)) for n in names)]
+        if unmatched:
+            warnings.warn(f"dense_params: {unmatched} match no param name (names are like "
+                          f"{names[0]!r})", UserWarning, stacklevel=3)

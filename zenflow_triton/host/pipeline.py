@@ -34,6 +34,7 @@ Ordering invariants:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -41,11 +42,12 @@ from typing import Hashable, Literal, Sequence
 
 import torch
 
+from ..dist.shard import ShardError
 from ..transfer import CopyIn, Link, host_empty
 from .adamw import HostAdamW, HostHyper, HostTask, PieceIO
 from .outbox import Outboxes
 from .step_size import resolve_adaptive
-from .worker import HostJob, HostWorker
+from .worker import HostJob, HostWorker, HostWorkerError
 
 Source = Literal["direct", "device_acc", "host_acc"]
 
@@ -85,9 +87,24 @@ class Window:
 
 
 class HostPipeline:
+    @classmethod
+    def for_config(cls, link: Link, config) -> "HostPipeline":
+        """A pipeline with its own worker thread and AdamW pool, as ``config`` sizes them."""
+        threads = config.host_threads or max(1, torch.get_num_threads())
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        if threads > max(8, 4 * cpus):
+            raise ValueError(f"host_threads={threads}: this process may use {cpus} CPUs; "
+                             "more than 4 threads per CPU only slows the host AdamW down "
+                             "(None: one per CPU torch uses)")
+        return cls(link, HostAdamW(threads, config.chunk_size, config.host_timeout,
+                                   cores=config.host_cores),
+                   HostWorker(config.host_timeout), config.host_timeout)
+
     def __init__(self, link: Link, adamw: HostAdamW, worker: HostWorker,
                  timeout: float) -> None:
         self.link = link
+        self.adamw, self.worker = adamw, worker
         self._adamw = adamw
         self._worker = worker
         self._timeout = timeout
@@ -329,8 +346,12 @@ class HostPipeline:
             self._worker.wait(job)
 
     def forget(self) -> None:
-        """The state the finished job worked for was replaced (load_state_dict): drop what
-        it left for its apply."""
+        """The state the jobs work for is being replaced (load_state_dict): wait for them,
+        failed or not, and drop what they left for their apply."""
+        try:
+            self.wait_all()
+        except (HostWorkerError, ShardError):  # a failed job, another rank's failure
+            pass
         self._stored, self._job_outbox, self._copy_in = [], {}, None
         self._outboxes.clear_plan()
 

@@ -33,6 +33,8 @@ Shared by both backends: ``nonfinite_flags(grads, exact=False) -> bool [n]`` on 
 
 from __future__ import annotations
 
+import os
+
 from .accumulate import accumulate_columns_ref
 from .adamw import adamw_ref
 from .column_scores import column_scores_ref
@@ -80,6 +82,13 @@ def resolve_backend(want: str, params) -> str:
         ok, why = triton_available()
         if not ok:
             raise RuntimeError(f'backend="triton" requested but {why}')
+        devices = sorted({p.device.type for p in params})
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernels on CPU tensors
+        if devices and "cuda" not in devices and not interpreted:
+            raise ValueError(f'backend="triton" needs params on a CUDA or ROCm device; these '
+                             f"are on {', '.join(devices)} (use backend=\"torch\" or "
+                             '"auto"; TRITON_INTERPRET=1 runs the kernels on CPU tensors, '
+                             "slowly, for tests)")
     return want
 
 
