@@ -25,10 +25,12 @@ GPUs, tokens, the quality study and the modelled step time and stall.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +39,8 @@ from typing import Any, Callable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from zenflow_triton.profiles import Profile, load_profile, save_profile, validate_name
+from zenflow_triton.profiles import (Profile, load_profile, read_profile_file, save_profile,
+                                     validate_name)
 
 from . import stepmodel as M
 from . import study as S
@@ -393,6 +396,26 @@ class ModelledRow:
         return self.prediction.modelled_step_time_s
 
 
+def profile_of(value: str | Profile, device_memory_gb: float | None = None) -> Profile:
+    """A profile by name, or read from a path to its JSON (a card of one's own: copy a
+    built-in's file, ``zenflow-tune show NAME --json``, and edit its ``hardware``); with
+    ``device_memory_gb``, the same hardware with that much device memory (a memory variant
+    of a card, such as a 40 GB A100), named ``<name>-<N>gb``."""
+    if isinstance(value, Profile):
+        prof = value
+    elif value.endswith(".json") or os.path.sep in value:
+        prof = read_profile_file(value)
+    else:
+        prof = load_profile(value)
+    if device_memory_gb is None:
+        return prof
+    if not device_memory_gb > 0:
+        raise ModelledError(f"device memory must be > 0 GB, got {device_memory_gb}")
+    hardware = dict(prof.hardware, device_memory_gb=device_memory_gb)
+    return dataclasses.replace(prof, name=f"{prof.name}-{device_memory_gb:g}gb",
+                               hardware=hardware, path=None, source="memory")
+
+
 def load_hardware(profile: str | Profile, host_adam_elements_per_s: float | None = None
                   ) -> tuple[Profile, M.Hardware]:
     """The profile (by name, or as given) and its facts as the step model reads them;
@@ -410,8 +433,8 @@ def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None) ->
     if isinstance(model, M.Workload):
         return model
     try:
-        return M.Workload.from_preset(model, tokens=tokens or M.DEFAULT_TOKENS,
-                                      mfu=M.DEFAULT_MFU if mfu is None else mfu)
+        return M.Workload.from_spec(model, tokens=tokens or M.DEFAULT_TOKENS,
+                                    mfu=M.DEFAULT_MFU if mfu is None else mfu)
     except M.StepModelError as e:
         raise ModelledError(str(e)) from None
 

@@ -102,6 +102,16 @@ def _add_run_parser(sub: Any) -> None:
     r.add_argument("--verbose", action="store_true", help="Optuna's own log lines too")
 
 
+MODEL_HELP = ("a model preset (llama2-7b, llama2-13b, llama3-8b, llama3-70b, mistral-7b, "
+              "qwen2.5-3b, qwen2.5-7b, opt-350m), a path to an HF config.json or a folder "
+              "holding one (built on the meta device, nothing downloaded), or module:function "
+              "returning a torch.nn.Module")
+PROFILE_HELP = ("hardware profile: a name (zenflow-tune list) or a path to a profile's JSON (a "
+                "card of your own: zenflow-tune show NAME --json > my.json, edit its hardware)")
+MEMORY_HELP = ("the card's device memory in GB, overriding the profile's (a memory variant, "
+               "e.g. 40 for an A100 40 GB)")
+
+
 def _add_objective_options(r: argparse.ArgumentParser) -> None:
     """``run``'s choice of objective and the modelled objective's options."""
     r.add_argument("--objective", choices=("measured", "modelled"), default="measured",
@@ -109,8 +119,9 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
                         "from the step-time model of --model on --profile's hardware, "
                         "quality from a measured grid on the CPU workload (stored once, "
                         "reused by every profile)")
-    r.add_argument("--model", help="modelled objective: model preset (llama2-7b, llama2-13b, "
-                                   "qwen2.5-3b, opt-350m)")
+    r.add_argument("--model", help="modelled objective: " + MODEL_HELP)
+    r.add_argument("--device-memory-gb", type=float, default=None,
+                   help="modelled objective: " + MEMORY_HELP)
     r.add_argument("--gpus", type=_pos_int, default=1,
                    help="modelled objective: data-parallel GPUs (default 1)")
     r.add_argument("--tokens", type=_pos_int, default=None,
@@ -182,9 +193,9 @@ def _add_predict_parser(sub: Any) -> None:
                                     "busy and memory of adamw, zero-offload, zero-offload-dpu, "
                                     "overlapped-offload and zenflow for a model preset on a "
                                     "profile's hardware facts.")
-    pr.add_argument("--profile", required=True, help="hardware profile (zenflow-tune list)")
-    pr.add_argument("--model", required=True, help="model preset: llama2-7b, llama2-13b, "
-                                                   "qwen2.5-3b, opt-350m")
+    pr.add_argument("--profile", required=True, help=PROFILE_HELP)
+    pr.add_argument("--model", required=True, help=MODEL_HELP)
+    pr.add_argument("--device-memory-gb", type=float, default=None, help=MEMORY_HELP)
     pr.add_argument("--gpus", type=_pos_int, default=1, help="data-parallel GPUs (default 1)")
     pr.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
                     help="ddp: every GPU holds the whole model (default); fsdp2: "

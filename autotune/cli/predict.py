@@ -7,9 +7,8 @@ import argparse
 import json
 from typing import Any
 
-from zenflow_triton.profiles import load_profile
-
 from .. import detect
+from .. import modelled as MD
 from .. import stepmodel as M
 from . import EXIT_OK, UsageError
 
@@ -19,11 +18,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
     if args.topk_ratio is not None and not 0 <= args.topk_ratio <= 1:
         raise UsageError(f"--topk-ratio must be in [0, 1], got {args.topk_ratio}")
-    prof = load_profile(args.profile)  # unknown: ProfileNotFoundError names the known ones
+    try:  # unknown: ProfileNotFoundError names the known ones
+        prof = MD.profile_of(args.profile, args.device_memory_gb)
+    except MD.ModelledError as e:
+        raise UsageError(f"--device-memory-gb: {e}") from None
     measured = detect.measure_host_adam() if args.measure_host else None
     hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=measured)
-    wl = M.Workload.from_preset(args.model, tokens=args.tokens or M.DEFAULT_TOKENS,
-                                mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
+    wl = M.Workload.from_spec(args.model, tokens=args.tokens or M.DEFAULT_TOKENS,
+                              mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
     settings, overrides = _settings(args, prof.settings)
     cfg = M.zenflow_config(settings, **overrides)
     preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)

@@ -21,6 +21,7 @@ from ..detect import detect, hardware_slug
 from ..names import code_key, slug
 from ..objective import TuneSettings, guard_summary
 from ..space import SearchSpace
+from .. import stepmodel as M
 from ..stepmodel import DEFAULT_TOKENS, PRESETS
 from . import (EXIT_OK, EXIT_RUNTIME, FULL, QUICK, UsageError, float_list, heartbeat_options,
                load_workload, prepare_workload, print_use_it, say, storage_url)
@@ -83,7 +84,8 @@ def _check_measured_options(args: argparse.Namespace) -> None:
     modelled_only = [o for o, v in (("--model", args.model), ("--gpus", args.gpus != 1),
                                     ("--tokens", args.tokens), ("--mfu", args.mfu),
                                     ("--topk-grid", args.topk_grid),
-                                    ("--interval-grid", args.interval_grid)) if v]
+                                    ("--interval-grid", args.interval_grid),
+                                    ("--device-memory-gb", args.device_memory_gb)) if v]
     if modelled_only:
         raise UsageError(f"{', '.join(modelled_only)}: only with --objective modelled")
     if args.save_as:
@@ -225,7 +227,7 @@ def run_modelled(args: argparse.Namespace) -> int:
     ``<profile>-<model>``, so a built-in is not shadowed by accident) unless ``--no-profile``."""
     _check_modelled_options(args)
     try:
-        prof, _ = MD.load_hardware(args.profile)
+        prof, _ = MD.load_hardware(MD.profile_of(args.profile, args.device_memory_gb))
     except ProfileNotFoundError as e:
         raise UsageError(f"--profile: {e}") from None
     except (MD.ModelledError, ProfileError) as e:
@@ -266,9 +268,10 @@ def _check_modelled_options(args: argparse.Namespace) -> None:
         opts = ", ".join("--" + o.replace("_", "-") for o in given)
         raise UsageError(f"{opts}: only for --objective measured (the modelled objective "
                          "trains a fixed quality grid; see --topk-grid and --interval-grid)")
-    if args.model not in PRESETS:
-        raise UsageError(f"--model: unknown model preset {args.model!r}; valid presets: "
-                         f"{', '.join(sorted(PRESETS))}")
+    try:
+        M.Workload.from_spec(args.model)
+    except M.StepModelError as e:
+        raise UsageError(f"--model: {e}") from None
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
 

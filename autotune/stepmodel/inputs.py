@@ -267,6 +267,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         source="Qwen2.5 technical report (arXiv 2412.15115, Table 1); Qwen/Qwen2.5-3B "
                "config.json: hidden 2048, 36 layers, intermediate 11008, vocab 151936, 16 "
                "query / 2 KV heads, tied embeddings, q/k/v biases"),
+    "llama3-8b": dict(
+        arch="llama", hidden=4096, layers=32, intermediate=14336, vocab=128256, heads=32,
+        kv_heads=8, tied=False,
+        source="Llama 3 (Grattafiori et al. 2024, arXiv 2407.21783, Table 3); "
+               "meta-llama/Meta-Llama-3-8B config.json: hidden 4096, 32 layers, intermediate "
+               "14336, vocab 128256, 32 query / 8 KV heads, untied head"),
+    "llama3-70b": dict(
+        arch="llama", hidden=8192, layers=80, intermediate=28672, vocab=128256, heads=64,
+        kv_heads=8, tied=False,
+        source="Llama 3 (arXiv 2407.21783, Table 3); meta-llama/Meta-Llama-3-70B config.json: "
+               "hidden 8192, 80 layers, intermediate 28672, vocab 128256, 64 query / 8 KV heads"),
+    "mistral-7b": dict(
+        arch="llama", hidden=4096, layers=32, intermediate=14336, vocab=32000, heads=32,
+        kv_heads=8, tied=False,
+        source="Mistral 7B (Jiang et al. 2023, arXiv 2310.06825, Table 1); "
+               "mistralai/Mistral-7B-v0.1 config.json: hidden 4096, 32 layers, intermediate "
+               "14336, vocab 32000, 32 query / 8 KV heads, untied head"),
+    "qwen2.5-7b": dict(
+        arch="llama", hidden=3584, layers=28, intermediate=18944, vocab=152064, heads=28,
+        kv_heads=4, tied=False, qkv_bias=True,
+        source="Qwen2.5 technical report (arXiv 2412.15115, Table 1); Qwen/Qwen2.5-7B "
+               "config.json: hidden 3584, 28 layers, intermediate 18944, vocab 152064, 28 "
+               "query / 4 KV heads, untied head, q/k/v biases"),
     "opt-350m": dict(
         arch="opt", hidden=1024, layers=24, intermediate=4096, vocab=50272, heads=16,
         max_positions=2048, embed_dim=512, tied=True,
@@ -387,6 +410,73 @@ class Workload:
         layers = _build_preset(arch, seq)
         return cls(name=name, layers=layers, tokens=tokens, dtype=dtype, mfu=mfu,
                    source=arch["source"])
+
+    @classmethod
+    def from_spec(cls, spec: str, *, tokens: int = DEFAULT_TOKENS,
+                  mfu: float = DEFAULT_MFU) -> "Workload":
+        """The user's model, however named: a preset (:data:`PRESETS`); a path to an HF
+        ``config.json`` or a folder holding one (the model is built on the meta device with
+        ``transformers``: nothing is downloaded, no weights are read); or ``module:function``
+        returning a ``torch.nn.Module`` (on the meta device, ideally) or a Workload."""
+        import os
+
+        if spec in PRESETS:
+            return cls.from_preset(spec, tokens=tokens, mfu=mfu)
+        if os.path.exists(spec):
+            return cls.from_hf_config(spec, tokens=tokens, mfu=mfu)
+        if ":" in spec and os.path.sep not in spec.split(":", 1)[0]:
+            return cls._from_factory(spec, tokens=tokens, mfu=mfu)
+        raise StepModelError(
+            f"unknown model {spec!r}; valid presets: {', '.join(sorted(PRESETS))}; or a path "
+            "to an HF config.json or a folder holding one, or module:function returning a "
+            "torch.nn.Module (Workload.from_module in Python)")
+
+    @classmethod
+    def from_hf_config(cls, path: str, *, tokens: int = DEFAULT_TOKENS,
+                       mfu: float = DEFAULT_MFU) -> "Workload":
+        """An HF causal LM's shapes from its ``config.json`` (a file or its folder), built on
+        the meta device; attention FLOPs as for the presets (12 x hidden x sequence per layer
+        and token, the sequence ``min(tokens, max_position_embeddings, 4096)``)."""
+        import json
+        import os
+
+        import torch
+        try:
+            import transformers
+        except ImportError as e:
+            raise StepModelError("a model from a config.json needs transformers: pip install "
+                                 "transformers") from e
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        try:
+            with open(file) as f:
+                doc = json.load(f)
+            config = transformers.AutoConfig.for_model(**doc)
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(config)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StepModelError(f"{file}: not an HF causal-LM config.json ({e})") from e
+        hidden = getattr(config, "hidden_size", 0) or 0
+        layers = getattr(config, "num_hidden_layers", 0) or 0
+        seq = min(tokens, getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN,
+                  DEFAULT_SEQ_LEN)
+        name = doc.get("_name_or_path") or os.path.basename(os.path.dirname(
+            os.path.abspath(file))) or config.model_type
+        return cls.from_module(model, tokens=tokens, mfu=mfu, dtype="bfloat16", name=name,
+                               attention_flops_per_token=12.0 * hidden * seq * layers)
+
+    @classmethod
+    def _from_factory(cls, spec: str, *, tokens: int, mfu: float) -> "Workload":
+        import importlib
+
+        mod_name, _, fn_name = spec.partition(":")
+        try:
+            made = getattr(importlib.import_module(mod_name), fn_name)()
+        except (ImportError, AttributeError) as e:
+            raise StepModelError(f"--model {spec!r}: cannot call {fn_name} of {mod_name} "
+                                 f"({e})") from e
+        if isinstance(made, Workload):
+            return made.replace(tokens=tokens, mfu=mfu)
+        return cls.from_module(made, tokens=tokens, mfu=mfu, name=spec)
 
     @classmethod
     def from_module(cls, module: Any, *, tokens: int = DEFAULT_TOKENS, mfu: float = DEFAULT_MFU,

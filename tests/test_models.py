@@ -1,0 +1,113 @@
+"""The user's model and card wherever the tuner names them (issue "Fit my GPU", first part):
+presets for the models people fine-tune now, an HF config.json (file or folder),
+module:function, a profile read from a path and a device-memory override."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from autotune import cli
+from autotune import modelled as MD
+from autotune import stepmodel as S
+
+transformers = pytest.importorskip("transformers")
+
+# The published architectures (each model's config.json), as transformers builds them.
+CONFIGS = {
+    "llama3-8b": lambda: transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, tie_word_embeddings=False),
+    "llama3-70b": lambda: transformers.LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, tie_word_embeddings=False),
+    "mistral-7b": lambda: transformers.MistralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        tie_word_embeddings=False),
+    "qwen2.5-7b": lambda: transformers.Qwen2Config(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+        tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("preset,published", [("llama3-8b", 8_030_261_248),
+                                              ("llama3-70b", 70.55e9), ("mistral-7b", 7.24e9),
+                                              ("qwen2.5-7b", 7.62e9)])
+def test_new_presets_have_the_published_parameter_counts(preset, published):
+    assert S.Workload.from_preset(preset).numel == pytest.approx(published, rel=1e-3)
+
+
+@pytest.mark.parametrize("preset", sorted(CONFIGS))
+def test_new_presets_match_transformers_on_the_meta_device(preset, tmp_path):
+    """Each preset against its config.json, loaded the way a user's is (from_spec on the
+    file): the same param shapes and the same FLOPs per token, attention included."""
+    path = tmp_path / "config.json"
+    CONFIGS[preset]().to_json_file(str(path))
+    want = S.Workload.from_preset(preset, tokens=2048)
+    got = S.Workload.from_spec(str(path), tokens=2048)
+    assert got.numel == want.numel
+    assert sorted(p.shape for p in got.params) == sorted(p.shape for p in want.params)
+    assert got.flops_per_token == pytest.approx(want.flops_per_token, rel=1e-12)
+    assert S.Workload.from_spec(str(tmp_path), tokens=2048).numel == want.numel  # the folder
+
+
+def test_a_config_that_is_not_a_model_is_named(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(S.StepModelError, match="config.json"):
+        S.Workload.from_spec(str(bad))
+    with pytest.raises(S.StepModelError, match="preset.*config.json.*module:function"):
+        S.Workload.from_spec("llama-3-8b")
+
+
+def test_module_function_gives_the_users_own_model(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n"
+        "def small():\n"
+        "    with torch.device('meta'):\n"
+        "        return torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 64))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wl = S.Workload.from_spec("mymodels:small", tokens=512)
+    assert wl.numel == 1000 * 64 + 64 * 64 + 64 and wl.tokens == 512
+    with pytest.raises(S.StepModelError, match="cannot call nothere"):
+        S.Workload.from_spec("mymodels:nothere")
+    sys.modules.pop("mymodels", None)
+
+
+def test_device_memory_override_and_a_profile_from_a_path(tmp_path):
+    forty = MD.profile_of("a100-pcie4", 40)
+    assert forty.name == "a100-pcie4-40gb" and forty.hardware["device_memory_gb"] == 40
+    assert S.Hardware.from_profile(forty).device_memory_bytes == 40e9
+    assert MD.profile_of("a100-pcie4").hardware["device_memory_gb"] == 80  # untouched
+    with pytest.raises(MD.ModelledError, match="> 0"):
+        MD.profile_of("a100-pcie4", 0)
+    doc = MD.profile_of("a100-pcie4").to_dict()
+    doc["name"], doc["hardware"]["device_memory_gb"] = "my-card", 24
+    path = tmp_path / "my-card.json"
+    path.write_text(json.dumps(doc))
+    mine = MD.profile_of(str(path))
+    assert mine.name == "my-card" and S.Hardware.from_profile(mine).device_memory_bytes == 24e9
+
+
+def test_cli_predict_on_a_users_config_and_card(tmp_path, capsys):
+    """`zenflow-tune predict --profile a100-pcie4 --device-memory-gb 40 --model config.json`
+    (Llama-3-8B): the 8.03B-param table on a 40 GB card, which ZenFlow's defaults overflow."""
+    path = tmp_path / "config.json"
+    CONFIGS["llama3-8b"]().to_json_file(str(path))
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--device-memory-gb", "40",
+                     "--model", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(8.03B params" in out and "a100-pcie4-40gb" in out
+    assert "the device has 40 GB" in out
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--device-memory-gb", "-1",
+                     "--model", "llama3-8b"]) == cli.EXIT_USAGE
+    assert "--device-memory-gb" in capsys.readouterr().err
+    assert cli.main(["run", "--device-memory-gb", "40", "--no-profile", "--quick"]) == cli.EXIT_USAGE
+    assert "only with --objective modelled" in capsys.readouterr().err
