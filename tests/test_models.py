@@ -111,3 +111,37 @@ def test_cli_predict_on_a_users_config_and_card(tmp_path, capsys):
     assert "--device-memory-gb" in capsys.readouterr().err
     assert cli.main(["run", "--device-memory-gb", "40", "--no-profile", "--quick"]) == cli.EXIT_USAGE
     assert "only with --objective modelled" in capsys.readouterr().err
+
+
+def test_fitting_zenflow_gives_up_least_and_says_when_nothing_can(capsys):
+    a100, wl = S.Hardware.from_profile(MD.profile_of("a100-pcie4")), \
+        S.Workload.from_preset("llama3-8b")
+    cfg = S.zenflow_config(MD.profile_of("a100-pcie4").settings)
+    assert S.predict(a100, wl, "zenflow", config=cfg).fits  # 80 GB: nothing to give up
+    assert S.fitting_zenflow(a100, wl, config=cfg).settings == \
+        S.predict(a100, wl, "zenflow", config=cfg).settings
+    forty = S.Hardware.from_profile(MD.profile_of("a100-pcie4", 40))
+    assert not S.predict(forty, wl, "zenflow", config=cfg).fits
+    lean = S.fitting_zenflow(forty, wl, config=cfg)
+    assert lean.fits and lean.device_memory_bytes <= 40e9
+    # host accumulation alone does not fit an 8B model in 40 GB: it also drops the dense set
+    assert lean.settings["accumulate_on"] == "host" and lean.settings["dense_params"] == ()
+    cheaper = [S.predict(forty, wl, "zenflow", config=cfg.replace(
+        accumulate_on="host", dense_params=(), topk_ratio=t)) for t in (0.1, 0.05)]
+    assert [p.fits for p in cheaper] == [False, True]  # the highest topk_ratio that fits
+    assert lean.settings["topk_ratio"] == 0.05
+    tight = S.Hardware.from_profile(MD.profile_of("a100-pcie4", 33))  # params+grads: 32.1 GB
+    assert S.fitting_zenflow(tight, wl, config=cfg) is None
+    assert S.params_and_grads_bytes(wl) == 4 * wl.numel
+    assert S.params_and_grads_bytes(wl, gpus=4, sharding="fsdp2") == wl.numel
+
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--device-memory-gb", "40",
+                     "--model", "llama3-8b"]) == 0
+    assert "fits: zenflow with accumulate_on='host', dense_params=(), topk_ratio=0.05" \
+        in capsys.readouterr().out
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--device-memory-gb", "33",
+                     "--model", "llama3-8b"]) == 0
+    assert "no leaner ZenFlow setting fits 33 GB" in capsys.readouterr().out
+    assert cli.main(["predict", "--profile", "rtx4090-pcie4", "--model", "llama3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits: the params and gradients alone (bfloat16) need 32.1 GB" in out

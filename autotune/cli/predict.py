@@ -79,9 +79,34 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
     print()
     print(M.markdown_table(shown))
     notes = [f"{m}: {n}" for m, p in shown.items() for n in p.notes]
+    notes += _what_fits(args, hw, wl, cfg, shown["zenflow"])
     if notes:
         print()
         for n in notes:
             print(f"* {n}")
     if args.plot:
         print(f"\nwrote {args.plot}")
+
+
+def _what_fits(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: Any,
+               zen: M.Prediction) -> list[str]:
+    """When ZenFlow at these settings does not fit: the fastest leaner ZenFlow setting that
+    does, or why nothing can (the params and gradients alone)."""
+    if zen.fits or hw.device_memory_bytes is None:
+        return []
+    gb = hw.device_memory_bytes / 1e9
+    floor = M.params_and_grads_bytes(wl, gpus=args.gpus, sharding=args.sharding) / 1e9
+    if floor > gb:
+        return [f"nothing fits: the params and gradients alone ({wl.dtype}) need {floor:.1f} "
+                f"GB of the device's {gb:.0f} GB, before any optimizer state or activations; "
+                "shard them (--gpus N --sharding fsdp2) or take a larger card"]
+    best = M.fitting_zenflow(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
+    if best is None:
+        return [f"no leaner ZenFlow setting fits {gb:.0f} GB (params and gradients: "
+                f"{floor:.1f} GB; tried {', '.join(M.LEAN_CHOICES)})"]
+    changed = {k: best.settings[k] for k in M.LEAN_CHOICES
+               if best.settings.get(k) != getattr(cfg, k)}
+    return [f"fits: zenflow with {', '.join(f'{k}={v!r}' for k, v in changed.items())}: "
+            f"{best.step_time_s:.3f} s/step, {best.device_memory_bytes / 1e9:.1f} GB device, "
+            f"{best.host_memory_bytes / 1e9:.1f} GB host (a prediction; the quality of these "
+            "settings: docs/quality.md)"]

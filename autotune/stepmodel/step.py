@@ -105,3 +105,39 @@ def host_update_seconds(hw: Hardware, wl: Workload, *, gpus: int = 1, config: An
     cfg = zenflow_config(config, **settings)
     e_host = zenflow_split(wl, cfg)[1]
     return e_host / gpus / hw.host_rate(gpus)
+
+
+LEAN_CHOICES = dict(accumulate_on=("device", "host"), accumulator_dtype=("float32", "bfloat16"),
+                    dense_params=(None, ()), topk_ratio=(None, 0.05, 0.02, 0.01))
+"""What :func:`fitting_zenflow` may change to make ZenFlow fit, from the settings given
+(``None``: keep the given value): where and in which dtype the window is summed, the dense
+set, the share of columns whose state the device keeps."""
+
+
+def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
+                    sharding: str = "ddp") -> Prediction | None:
+    """Among the leaner variants of ``config`` (:data:`LEAN_CHOICES`) that fit the device's
+    memory, the one that gives up least, or None when none fits: the highest ``topk_ratio``
+    first, then the dense set kept, then an fp32 accumulator, then device accumulation, and
+    among equals the fastest. A prediction, not a measurement: the quality of a leaner
+    setting is the convergence study's to say."""
+    import itertools
+
+    cfg = zenflow_config(config)
+    ranked = []
+    for values in itertools.product(*LEAN_CHOICES.values()):
+        c = cfg.replace(**{k: v for k, v in zip(LEAN_CHOICES, values) if v is not None})
+        p = predict(hw, wl, "zenflow", gpus=gpus, config=c, sharding=sharding)
+        if p.fits:
+            given_up = (cfg.topk_ratio - c.topk_ratio, c.dense_params != cfg.dense_params,
+                        c.accumulator_dtype != cfg.accumulator_dtype,
+                        c.accumulate_on != cfg.accumulate_on, p.step_time_s)
+            ranked.append((given_up, p))
+    return min(ranked, key=lambda r: r[0])[1] if ranked else None
+
+
+def params_and_grads_bytes(wl: Workload, *, gpus: int = 1, sharding: str = "ddp") -> int:
+    """What no optimizer mode can offload: each GPU's params and gradients (in the model's
+    dtype; 1/N of them under FSDP2)."""
+    share = gpus if sharding == "fsdp2" else 1
+    return int(2 * wl.numel * wl.param_bytes / share)
