@@ -443,7 +443,10 @@ def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: in
                 base_settings: dict[str, Any] | None = None) -> list[ModelledRow]:
     """Every grid point with its modelled zenflow step (mode ``"zenflow"``, the point's
     settings over ``base_settings``, e.g. a profile's ``accumulate_on``), fastest first.
-    ``eligible`` = feasible by the quality guard and fits in device memory."""
+    ``eligible`` = feasible by the quality guard and fits in device memory. A point that
+    does not fit with the window summed on the device is tried with it summed on the host
+    (``accumulate_on="host"``): on the quality workload (fp32) the two train bit for bit
+    alike, so the point's measured quality holds for both."""
     rows = []
     for p in store.points:
         settings = dict(base_settings or {})
@@ -454,6 +457,11 @@ def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: in
         except M.StepModelError as e:
             raise ModelledError(f"settings {settings}: {e}") from None
         pred = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg)
+        if not pred.fits and cfg.accumulate_on != "host":
+            lean = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg.replace(
+                accumulate_on="host"))
+            if lean.fits:
+                pred, settings = lean, dict(settings, accumulate_on="host")
         rows.append(ModelledRow(point=p, prediction=pred, settings=settings,
                                 throughput=wl.tokens / pred.modelled_step_time_s,
                                 eligible=p.feasible and pred.fits))
@@ -521,14 +529,29 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
                           gpus=gpus, rows=rows, best=eligible[0] if eligible else None,
                           zero_offload=zo)
     if not any(r.fits for r in rows):
-        out.notes.append(f"no grid point fits: {wl.name} needs at least "
-                         f"{min(r.prediction.device_memory_bytes for r in rows) / 1e9:.1f} GB "
-                         f"of device memory (before activations); {hw.name} has "
-                         f"{(hw.device_memory_bytes or 0) / 1e9:.0f} GB")
+        out.notes.append(_nothing_fits(hw, wl, gpus, base, rows))
     if out.best is not None and save_as is not None:
         out.profile = modelled_profile(out, save_as)
         out.profile_path = save_profile(out.profile, profile_dir)
     return out
+
+
+def _nothing_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any],
+                  rows: list[ModelledRow]) -> str:
+    """Why no grid point fits, and what would (settings the grid does not search yet)."""
+    need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
+    has = (hw.device_memory_bytes or 0) / 1e9
+    text = (f"no grid point fits: {wl.name} needs at least {need:.1f} GB of device memory "
+            f"(before activations; host accumulation tried); {hw.name} has {has:.0f} GB")
+    floor = M.params_and_grads_bytes(wl, gpus=gpus) / 1e9
+    if floor > has:
+        return text + f": its params and gradients alone are {floor:.1f} GB"
+    lean = M.fitting_zenflow(hw, wl, gpus=gpus, config=M.zenflow_config(base))
+    if lean is None:
+        return text
+    names = ", ".join(f"{k}={lean.settings[k]!r}" for k in M.LEAN_CHOICES
+                      if lean.settings.get(k) != base.get(k, getattr(M.zenflow_config(), k)))
+    return text + f"; {names} would fit (not yet in the quality grid)"
 
 
 def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:

@@ -164,6 +164,8 @@ def test_the_fastest_feasible_point_by_the_model_is_chosen(dirs, fake):
     speed = {}
     for p in out.store.points:
         pred = SM.predict(hw, wl, "zenflow", config=p.settings)
+        if not pred.fits:  # a point that fits only with the window summed on the host
+            pred = SM.predict(hw, wl, "zenflow", config=dict(p.settings, accumulate_on="host"))
         speed[MD.point_key(p.settings)] = (wl.tokens / pred.modelled_step_time_s, pred.fits)
     fastest = max(speed, key=lambda k: speed[k][0])
     by_key = {MD.point_key(p.settings): p for p in out.store.points}
@@ -364,3 +366,22 @@ def test_builtin_gpu_profiles_record_what_the_model_gives_for_their_settings(nam
     assert p.stall_fraction == pytest.approx(obj["stall_fraction"], rel=1e-9, abs=1e-12)
     assert zo.modelled_step_time_s == pytest.approx(obj["zero_offload_step_time_s"], rel=1e-9)
     assert obj["tokens_per_s_per_gpu"] == pytest.approx(wl.tokens / p.modelled_step_time_s)
+
+
+def test_a_point_that_fits_only_with_host_accumulation_takes_it(dirs, fake):
+    """An A100 40 GB and Llama-2-7B: no point fits with the window summed on the device
+    (58+ GB), each one does on the host (same quality on the fp32 quality workload), so the
+    chosen profile sums on the host. Llama-3-8B needs more than the grid searches: the note
+    names what would fit."""
+    forty = MD.profile_of("a100-pcie4", 40)
+    out = _run(f"sqlite:///{dirs / 'q.db'}", profile=forty)
+    windows = [r for r in out.rows if r.settings["update_interval"] > 1  # (1: no accumulator)
+               and r.fits]
+    assert windows and all(r.settings.get("accumulate_on") == "host" for r in windows)
+    on_device = [SM.predict(out.hardware, out.workload, "zenflow",
+                            config=dict(r.settings, accumulate_on="device")) for r in windows]
+    assert not any(p.fits for p in on_device)
+    assert out.best is not None and out.best.prediction.device_memory_bytes <= 40e9
+    big = _run(f"sqlite:///{dirs / 'q.db'}", profile=forty, model="llama3-8b")
+    assert big.best is None
+    assert any("dense_params=()" in n and "would fit" in n for n in big.notes), big.notes
