@@ -64,7 +64,7 @@ def train(model, wl, opt, steps: int, rank: int, world: int, clip: float | None 
         opt.step()
         if rank == 0 and (step % 10 == 0 or step == 1):
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
-    opt.synchronize()  # collective: every rank applies the pending host results
+    opt.finish()  # collective: the end of training, every gradient applied on every rank
 
 
 def same_on_every_rank(values: torch.Tensor, world: int) -> bool:
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     args = arguments(__doc__).parse_args(argv)
     rank, world, device, wl = start()
     model = torch.nn.parallel.DistributedDataParallel(wl.model)
-    opt = ZenFlowOptimizer(wl.model.parameters(), lr=args.lr, topk_ratio=args.topk_ratio,
+    opt = ZenFlowOptimizer(wl.model.named_parameters(), lr=args.lr, topk_ratio=args.topk_ratio,
                            update_interval=args.update_interval, min_offload_numel=1024)
     train(model, wl, opt, args.steps, rank, world)
     params = list(wl.model.parameters())

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
     rank, world, device, wl = start()
     model = fully_shard(wl.model)  # every param a DTensor sharded by rows (Shard(0))
-    opt = ZenFlowOptimizer(model.parameters(), lr=args.lr, topk_ratio=args.topk_ratio,
+    opt = ZenFlowOptimizer(model.named_parameters(), lr=args.lr, topk_ratio=args.topk_ratio,
                            update_interval=args.update_interval, min_offload_numel=1024)
     train(model, wl, opt, args.steps, rank, world, clip=1.0)
     if args.save:
