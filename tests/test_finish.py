@@ -326,3 +326,23 @@ def test_torch_compile_of_step_runs_eagerly_without_recompiling():
     assert traced == 0, f"Dynamo traced {traced} graphs of the step"
     assert opt.stats()["steps"] == 12
     opt.close()
+
+
+def test_the_callback_does_not_finish_onto_a_reloaded_best_model():
+    """With load_best_model_at_end the Trainer has put a checkpoint's weights in the model
+    (not its optimizer state): the callback then warns instead of applying this run's work."""
+    import types
+
+    model = make_model()
+    opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, **SPLIT)
+    run(model, opt, batches(6))
+    before = params_of(model)
+    args = types.SimpleNamespace(load_best_model_at_end=True)
+    state = types.SimpleNamespace(best_model_checkpoint="out/checkpoint-4")
+    with pytest.warns(UserWarning, match="checkpoint-4"):
+        ZenFlowCallback().on_train_end(args, state, None, optimizer=opt)
+    assert same_tensors(before, params_of(model))
+    ZenFlowCallback().on_train_end(types.SimpleNamespace(load_best_model_at_end=False), state,
+                                   None, optimizer=opt)
+    assert not same_tensors(before, params_of(model))  # otherwise it finishes
+    opt.close()

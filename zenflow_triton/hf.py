@@ -27,6 +27,7 @@ otherwise.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from transformers import TrainerCallback
@@ -57,8 +58,17 @@ class ZenFlowCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         opt = _zenflow(optimizer)
-        if opt is not None:
-            opt.finish()
+        if opt is None:
+            return control
+        if args.load_best_model_at_end and state.best_model_checkpoint:
+            # The Trainer put the best checkpoint's weights in the model, not its optimizer
+            # state: applying this run's pending work to them would mix two states.
+            warnings.warn("ZenFlowCallback: load_best_model_at_end loaded the weights of "
+                          f"{state.best_model_checkpoint}; its host-owned columns lag by up to "
+                          "two windows (resume from it and finish to complete them)",
+                          UserWarning, stacklevel=2)
+            return control
+        opt.finish()
         return control
 
 
