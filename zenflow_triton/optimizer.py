@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .checkpoint.state_dict import (SD_VERSION, adamw_state_dict, build, config_change, read,
-                                    refuse_open_windows, without_kernel_choices)
+                                    open_windows, refuse_open_windows,
+                                    without_kernel_choices)
 from .columns.split import ColumnSplit
 from .config import ZenFlowConfig, check_hyper
 from .device import DeviceHalf
@@ -293,14 +294,14 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         applied, so what is saved next holds every gradient given to :meth:`step`. The last
         call of a loop (:meth:`close` makes it); training may go on after it."""
         self.synchronize()  # the job in flight and pending results first
-        with self._guard.whole_step(lambda: self._global_step):  # all or nothing, as a step
-            self._launch({}, True, False, f"the open windows at step {self._global_step}")
-            self._drain()
+        if open_windows(self._params(), self.state, self._param_name):
+            with self._guard.whole_step(lambda: self._global_step):  # all or nothing
+                self._launch({}, True, False, f"the open windows at step {self._global_step}")
+                self._drain()
 
     def close(self, finish: bool = True) -> None:
         """:meth:`finish`, then stop the host threads; idempotent. ``finish=False`` (a state
-        handed to a new optimizer of the same model), a failed optimizer or a ``with`` block
-        left by an exception only stop them: the params stay as they are."""
+        handed on), a failed optimizer or a ``with`` left by an exception only stop them."""
         if not finish or getattr(self, "_closed", True) or self._guard.failure is not None:
             return self._stop()
         try:
