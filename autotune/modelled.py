@@ -546,11 +546,11 @@ def _nothing_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any
     floor = M.params_and_grads_bytes(wl, gpus=gpus) / 1e9
     if floor > has:
         return text + f": its params and gradients alone are {floor:.1f} GB"
-    lean = M.fitting_zenflow(hw, wl, gpus=gpus, config=M.zenflow_config(base))
+    cfg = M.zenflow_config(base)
+    lean = M.fitting_zenflow(hw, wl, gpus=gpus, config=cfg)
     if lean is None:
         return text
-    names = ", ".join(f"{k}={lean.settings[k]!r}" for k in M.LEAN_CHOICES
-                      if lean.settings.get(k) != base.get(k, getattr(M.zenflow_config(), k)))
+    names = ", ".join(f"{k}={v!r}" for k, v in M.lean_changes(lean, cfg).items())
     return text + f"; {names} would fit (not yet in the quality grid)"
 
 

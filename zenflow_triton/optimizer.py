@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .checkpoint.state_dict import (SD_VERSION, adamw_state_dict, build, config_change, read,
-                                    open_windows, refuse_open_windows,
+                                    refuse_open_windows, window_open,
                                     without_kernel_choices)
 from .columns.split import ColumnSplit
 from .config import ZenFlowConfig, check_hyper
@@ -294,7 +294,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         applied, so what is saved next holds every gradient given to :meth:`step`. The last
         call of a loop (:meth:`close` makes it); training may go on after it."""
         self.synchronize()  # the job in flight and pending results first
-        if open_windows(self._params(), self.state, self._param_name):
+        if any(map(window_open, self.state.values())):
             with self._guard.whole_step(lambda: self._global_step):  # all or nothing
                 self._launch({}, True, False, f"the open windows at step {self._global_step}")
                 self._drain()

@@ -104,8 +104,7 @@ def _what_fits(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: An
     if best is None:
         return [f"no leaner ZenFlow setting fits {gb:.0f} GB (params and gradients: "
                 f"{floor:.1f} GB; tried {', '.join(M.LEAN_CHOICES)})"]
-    changed = {k: best.settings[k] for k in M.LEAN_CHOICES
-               if best.settings.get(k) != getattr(cfg, k)}
+    changed = M.lean_changes(best, cfg)
     return [f"fits: zenflow with {', '.join(f'{k}={v!r}' for k, v in changed.items())}: "
             f"{best.step_time_s:.3f} s/step, {best.device_memory_bytes / 1e9:.1f} GB device, "
             f"{best.host_memory_bytes / 1e9:.1f} GB host (a prediction; the quality of these "

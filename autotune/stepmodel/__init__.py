@@ -56,15 +56,15 @@ from .inputs import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_HOST_ADAM_ELEMENTS_P
                      MODES, PRESETS, SCRATCH_BYTES_PER_THREAD, SHARDINGS, Hardware, Layer,
                      ParamSpec, StepModelError, Workload, zenflow_config)
 from .timeline import Prediction, Segment
-from .step import (LEAN_CHOICES, fitting_zenflow, host_update_seconds, params_and_grads_bytes,
-                   predict, predict_all)
+from .step import (LEAN_CHOICES, fitting_zenflow, host_update_seconds, lean_changes,
+                   params_and_grads_bytes, predict, predict_all)
 from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, calibration,
                      calibration_table, markdown_table, plot_timelines)
 
 __all__ = [
     "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
     "Workload", "Segment", "Prediction", "predict", "predict_all", "host_update_seconds",
-    "fitting_zenflow", "params_and_grads_bytes", "LEAN_CHOICES",
+    "fitting_zenflow", "lean_changes", "params_and_grads_bytes", "LEAN_CHOICES",
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",
     "CALIBRATION_SOURCE", "CALIBRATION_ASSUMPTIONS",
     "DEFAULT_MFU", "DEFAULT_TOKENS", "DEFAULT_SEQ_LEN",

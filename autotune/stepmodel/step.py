@@ -136,6 +136,13 @@ def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = 
     return min(ranked, key=lambda r: r[0])[1] if ranked else None
 
 
+def lean_changes(lean: Prediction, config: Any = None) -> dict[str, Any]:
+    """The :data:`LEAN_CHOICES` settings in which ``lean`` (from :func:`fitting_zenflow`)
+    differs from ``config``."""
+    cfg = zenflow_config(config)
+    return {k: lean.settings[k] for k in LEAN_CHOICES if lean.settings.get(k) != getattr(cfg, k)}
+
+
 def params_and_grads_bytes(wl: Workload, *, gpus: int = 1, sharding: str = "ddp") -> int:
     """What no optimizer mode can offload: each GPU's params and gradients (in the model's
     dtype; 1/N of them under FSDP2)."""

@@ -289,10 +289,14 @@ def gather_host_halves(state: dict, params: list[torch.Tensor], shard) -> None:
             state[i][key] = t.cpu()
 
 
+def window_open(st: Any) -> bool:
+    """Whether a param state's window is open (gradients not yet on the host)."""
+    return isinstance(st, dict) and st.get("acc_count", 0) > 0
+
+
 def open_windows(params: list[torch.Tensor], state: dict, name_of) -> list[str]:
-    """The names of the params whose window is open (gradients not yet on the host)."""
-    return [name_of(p) for p in params if isinstance(state.get(p), dict)
-            and state[p].get("acc_count", 0) > 0]
+    """The names of the params whose window is open."""
+    return [name_of(p) for p in params if window_open(state.get(p))]
 
 
 def refuse_open_windows(params: list[torch.Tensor], state: dict, name_of) -> None:
