@@ -1,5 +1,6 @@
 """One fine-tuning run of a convergence study, with the recipe fine-tuning scripts use: linear
-learning-rate warm-up over the first 10% of the steps (then constant), gradient clipping at
+learning-rate warm-up over the first 10% of the steps (then constant, or with
+``schedule="linear"`` a linear decay to zero at the last step, the HF Trainer's default), gradient clipping at
 norm 1.0, weight decay 0.01, held-out metrics before the first step, every ``eval_every``
 steps and after the last.
 
@@ -62,7 +63,8 @@ def make_optimizer(params, lr: float, zenflow: dict[str, Any] | None):
 
 
 def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
-        eval_every: int, verbose: bool = False) -> dict[str, Any]:
+        eval_every: int, schedule: str = "constant",
+        verbose: bool = False) -> dict[str, Any]:
     """Train ``job`` for ``steps`` steps; returns the curve of held-out metrics, the final
     ones, the loss before training, wall seconds and, for ZenFlow, host windows run."""
     model = job.model
@@ -72,7 +74,15 @@ def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
     # ZenFlow gets the names (its dense set is chosen by name); AdamW the tensors
     opt = make_optimizer(params if zenflow is None else named, lr, zenflow)
     warm = max(1, int(0.1 * steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    if schedule not in ("constant", "linear"):
+        raise ValueError(f"schedule must be 'constant' or 'linear', got {schedule!r}")
+
+    def factor(s: int) -> float:  # the multiplier of step s + 1 (LambdaLR counts from 0)
+        if s + 1 < warm or schedule == "constant":
+            return min(1.0, (s + 1) / warm)
+        return max(0.0, (steps - s) / (steps - warm + 1))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     curve = [dict(step=0, **job.evaluate(model))]
     t0 = time.perf_counter()
     diverged = False
@@ -97,7 +107,7 @@ def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
             if isinstance(opt, ZenFlowOptimizer):
                 opt.train()
     seconds = time.perf_counter() - t0
-    out: dict[str, Any] = dict(steps=steps, lr=lr, seconds=seconds, curve=curve,
+    out: dict[str, Any] = dict(steps=steps, lr=lr, schedule=schedule, seconds=seconds, curve=curve,
                                init=curve[0], diverged=diverged)
     if isinstance(opt, ZenFlowOptimizer):
         st = opt.stats()
