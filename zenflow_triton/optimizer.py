@@ -24,6 +24,7 @@ from .device import DeviceHalf
 from .dist.fsdp import (LocalState, check_same_kind, local, local_view, localize,
                         refuse)
 from .dist.shard import RowShard
+from .fit import profile_settings
 from .guards.faults import OptimizerFailedError, StepGuard
 from .guards.finite_check import FiniteWatch, undo_of
 from .guards.inputs import NonFiniteGradientError, Work, check_names, check_params, collect
@@ -117,14 +118,13 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_profile(cls, name: str, params: Iterable, lr: float = 1e-3,
-                     **overrides: Any) -> "ZenFlowOptimizer":
+    def from_profile(cls, name: str, params: Iterable, lr: float = 1e-3, *,
+                     fit: str = "check", **overrides: Any) -> "ZenFlowOptimizer":
         """An optimizer with the tuned settings of hardware profile ``name``; ``overrides``
-        (config fields or betas/eps/weight_decay) win and are validated."""
-        from .profiles import load_profile  # lazy: profiles are not needed otherwise
-
-        settings = dict(load_profile(name).settings)
-        settings.update(overrides)
+        (config fields or betas/eps/weight_decay) win and are validated. ``fit``: on an
+        accelerator, "check" raises ``fit.DoesNotFitError`` when params, gradients and
+        device state would not fit it, "lean" takes the leaner settings that do, "skip"."""
+        params, settings = profile_settings(name, params, overrides, fit)
         return cls(params, lr=lr, **settings)
 
     @property

@@ -1,0 +1,154 @@
+"""Whether a model fits its device with a profile's settings, before anything is allocated
+(zenflow_triton.fit): the counted bytes against what the optimizer then holds, and
+from_profile's check, its "lean" choice and its messages. The device's memory is set by
+the test (monkeypatched): CPU params have none to check."""
+
+import warnings
+
+import pytest
+import torch
+
+from zenflow_triton import DoesNotFitError, ZenFlowOptimizer
+from zenflow_triton import fit as F
+from zenflow_triton.profiles import load_profile
+
+
+class Tiny(torch.nn.Module):
+    """An LM-shaped model: embeddings (the default dense set matches '*embed*'), two split
+    matrices, a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(300, 64)
+        self.up = torch.nn.Linear(64, 256)
+        self.down = torch.nn.Linear(256, 300, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.embed(x))))
+
+
+def _train(opt, model, steps=6):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randint(0, 300, (4, 8), generator=g)
+        loss = model(x).float().logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("settings", [
+    dict(), dict(accumulate_on="host"), dict(dense_params=()),
+    dict(accumulator_dtype="bfloat16"), dict(topk_ratio=0.3, update_interval=2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_counted_bytes_are_what_the_optimizer_holds_once_a_window_is_open(settings, dtype):
+    model = Tiny().to(dtype)
+    named = list(model.named_parameters())
+    kw = dict(dict(topk_ratio=0.1, update_interval=4, min_offload_numel=1000), **settings)
+    opt = ZenFlowOptimizer(named, lr=1e-3, **kw)
+    try:
+        _train(opt, model)
+        held = opt.stats()["device_state_bytes"]
+        counted = F.device_bytes(named, opt.config)
+    finally:
+        opt.close(finish=False)
+    # the optimizer also holds a few scalars and the selection's small buffers
+    assert counted.optimizer <= held <= counted.optimizer * 1.01 + 4096
+    numel = sum(p.numel() for p in model.parameters())
+    assert counted.params == counted.grads == numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def test_lean_settings_need_less_and_frozen_params_count_nothing():
+    model = Tiny().to(torch.bfloat16)
+    cfg = load_profile("a100-pcie4").config()
+    full = F.device_bytes(model.named_parameters(), cfg)
+    lean = F.device_bytes(model.named_parameters(), cfg.replace(**F.LEAN))
+    assert lean.optimizer < full.optimizer and lean.params == full.params
+    model.embed.weight.requires_grad_(False)
+    frozen = F.device_bytes(model.named_parameters(), cfg)
+    assert frozen.params == full.params - 300 * 64 * 2
+
+
+def _capacity(monkeypatch, nbytes):
+    monkeypatch.setattr(F, "device_capacity_bytes", lambda device: nbytes)
+
+
+def _needs(model, **changes):
+    cfg = load_profile("a100-pcie4").config(**changes)
+    return F.device_bytes(model.named_parameters(), cfg).total
+
+
+def test_from_profile_refuses_a_device_too_small_and_names_what_fits(monkeypatch):
+    model = Tiny().to(torch.bfloat16)
+    full, lean = _needs(model), _needs(model, **F.LEAN)
+    _capacity(monkeypatch, (full + lean) // 2)
+    with pytest.raises(DoesNotFitError) as ei:
+        ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5)
+    msg = str(ei.value)
+    assert "a100-pcie4" in msg and "accumulate_on='host', dense_params=()" in msg
+    assert "fit='lean'" in msg and f"{full / 1e9:.1f} GB" in msg
+
+
+def test_fit_lean_takes_the_lean_settings_with_a_warning_only_when_needed(monkeypatch):
+    model = Tiny().to(torch.bfloat16)
+    full, lean = _needs(model), _needs(model, **F.LEAN)
+    _capacity(monkeypatch, (full + lean) // 2)
+    with pytest.warns(UserWarning, match="do not fit the device; taking accumulate_on='host'"):
+        opt = ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(),
+                                            lr=2e-5, fit="lean")
+    try:
+        assert opt.config.accumulate_on == "host" and opt.config.dense_params == ()
+        assert opt.config.topk_ratio == load_profile("a100-pcie4").settings["topk_ratio"]
+    finally:
+        opt.close()
+    _capacity(monkeypatch, full)  # fits exactly: nothing changes, nothing said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(),
+                                            lr=2e-5, fit="lean")
+    try:
+        assert opt.config.accumulate_on == load_profile("a100-pcie4").settings.get(
+            "accumulate_on", "device")
+    finally:
+        opt.close()
+
+
+def test_an_override_that_fits_passes_and_skip_skips(monkeypatch):
+    model = Tiny().to(torch.bfloat16)
+    full, lean = _needs(model), _needs(model, **F.LEAN)
+    _capacity(monkeypatch, lean)
+    opt = ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5,
+                                        **F.LEAN)
+    opt.close()
+    _capacity(monkeypatch, 1)
+    opt = ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5,
+                                        fit="skip")
+    opt.close()
+
+
+def test_when_params_and_grads_alone_do_not_fit_it_says_so(monkeypatch):
+    model = Tiny().to(torch.bfloat16)
+    floor = 2 * sum(p.numel() for p in model.parameters()) * 2
+    _capacity(monkeypatch, floor - 1)
+    with pytest.raises(DoesNotFitError, match="params and gradients alone are"):
+        ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), fit="lean")
+
+
+def test_when_even_lean_does_not_fit_it_names_topk_ratio(monkeypatch):
+    model = Tiny().to(torch.bfloat16)
+    lean = _needs(model, **F.LEAN)
+    floor = 2 * sum(p.numel() for p in model.parameters()) * 2
+    assert floor < lean
+    _capacity(monkeypatch, (floor + lean) // 2)
+    with pytest.raises(DoesNotFitError, match="lower topk_ratio"):
+        ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters())
+
+
+def test_a_bad_fit_value_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="fit must be one of"):
+        ZenFlowOptimizer.from_profile("cpu", Tiny().named_parameters(), fit="maybe")
+
+
+def test_cpu_params_are_not_checked():
+    assert F.device_capacity_bytes(torch.device("cpu")) is None
+    assert F.check(list(Tiny().parameters()), load_profile("cpu").config()) == {}
