@@ -61,10 +61,15 @@ QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
 QUALITY_APPLY_DELAYS = (1.0,)
 QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
-                "dense_params", "apply_delay")
+                "dense_params", "apply_delay", "accumulator_dtype")
 """The settings that change the optimizer's arithmetic, hence the quality (a grid point).
-A point's ``apply_delay`` of None (the default schedule) is left out of its key, so points
-stored before the delay was searched keep theirs."""
+A point's ``apply_delay`` of None (the default schedule) and ``accumulator_dtype`` of
+"float32" are left out of its key, so points stored before those were searched keep theirs."""
+LEAN_POINT = dict(dense_params=(), accumulator_dtype="bfloat16")
+"""A grid point's lean variant: no dense set, the window summed in bf16 (and, where the model
+needs it, on the host: ``accumulate_on`` does not change the arithmetic of an fp32 sum, so
+:func:`rank_points` chooses it). What a model too large for its card with the dense set
+trains with; its quality is measured like any point's."""
 MAX_ATTEMPTS = 2
 """Training runs of one grid point that may fail (an exception, not a divergence) before the
 quality study gives up on it."""
@@ -94,6 +99,8 @@ class QualityGrid:
     """``apply_delay`` as fractions of each point's update interval, in (0, 1]: a point per
     distinct delay ``max(1, round(f * update_interval))`` (1.0: the next boundary, the
     default schedule). Ignored without overlap."""
+    lean: bool = False
+    """Also each point's :data:`LEAN_POINT` variant (after all the plain points)."""
 
     def __post_init__(self) -> None:
         if not self.topk_ratios or not self.update_intervals:
@@ -132,15 +139,19 @@ class QualityGrid:
                                             f"update_interval={ui}, apply_delay={delay}: "
                                             f"{e}") from None
                     out.append({key: getattr(cfg, key) for key in QUALITY_KEYS})
+        if self.lean:
+            out += [dict(p, **LEAN_POINT) for p in out]
         return out
 
 
 def point_key(settings: dict[str, Any]) -> str:
     """A grid point's identity in the quality study (JSON of its quality settings; an
     ``apply_delay`` of None, or none, is left out: see :data:`QUALITY_KEYS`)."""
-    key = {k: settings[k] for k in QUALITY_KEYS if k != "apply_delay"}
+    key = {k: settings[k] for k in QUALITY_KEYS if k not in ("apply_delay", "accumulator_dtype")}
     if settings.get("apply_delay") is not None:
         key["apply_delay"] = settings["apply_delay"]
+    if settings.get("accumulator_dtype", "float32") != "float32":
+        key["accumulator_dtype"] = settings["accumulator_dtype"]
     return json.dumps(key, sort_keys=True)
 
 
@@ -202,13 +213,15 @@ def run_quality_grid(*, factory: Callable[..., Any], ts: TuneSettings,
                      grid: QualityGrid | None = None, storage_url: str | None = None,
                      study_name: str | None = None, log: Callable[[str], None] = print,
                      heartbeat_interval: int | None = None,
-                     grace_period: int | None = None) -> QualityStore:
+                     grace_period: int | None = None,
+                     only: Callable[[dict[str, Any]], bool] | None = None) -> QualityStore:
     """Create or resume the quality study and train every grid point it lacks (one run each
     of ``ts.steps`` steps of ``factory``'s workload, from ``ts.seed``); return every point's
-    result. A point whose run is RUNNING in another process is waited for (a killed one
-    becomes FAIL after the heartbeat grace period and is trained again here)."""
+    result (of the points ``only`` keeps, when given). A point whose run is RUNNING in
+    another process is waited for (a killed one becomes FAIL after the heartbeat grace
+    period and is trained again here)."""
     grid = grid or QualityGrid()
-    points = grid.points()
+    points = [p for p in grid.points() if only is None or only(p)]
     name = study_name or quality_study_name(ts)
     kw: dict[str, Any] = {}
     if heartbeat_interval:
@@ -449,19 +462,7 @@ def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: in
     alike, so the point's measured quality holds for both."""
     rows = []
     for p in store.points:
-        settings = dict(base_settings or {})
-        settings.update(p.settings)
-        settings["apply_delay"] = p.settings.get("apply_delay")  # a point without one: None
-        try:
-            cfg = M.zenflow_config(settings)
-        except M.StepModelError as e:
-            raise ModelledError(f"settings {settings}: {e}") from None
-        pred = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg)
-        if not pred.fits and cfg.accumulate_on != "host":
-            lean = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg.replace(
-                accumulate_on="host"))
-            if lean.fits:
-                pred, settings = lean, dict(settings, accumulate_on="host")
+        pred, settings = _prediction(hw, wl, gpus, _over(base_settings or {}, p.settings))
         rows.append(ModelledRow(point=p, prediction=pred, settings=settings,
                                 throughput=wl.tokens / pred.modelled_step_time_s,
                                 eligible=p.feasible and pred.fits))
@@ -495,11 +496,13 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
                  grid: QualityGrid | None = None, storage_url: str | None = None,
                  study_name: str | None = None, save_as: str | None = None,
                  profile_dir: str | Path | None = None,
-                 host_adam_elements_per_s: float | None = None,
+                 host_adam_elements_per_s: float | None = None, lean: bool | None = None,
                  log: Callable[[str], None] = print, **grid_kw: Any) -> ModelledOutcome:
     """Quality from the (shared, resumable) quality study, speed from the step model of
     ``model`` on ``profile``'s hardware; the fastest feasible point that fits. Saves it as
     profile ``save_as`` (when given) in ``profile_dir`` (default: the user profile dir).
+    ``lean``: search each point's :data:`LEAN_POINT` variant too (True), never (False), or
+    (None) where no plain point fits: then only the lean points that fit are trained.
 
     Inputs are checked before any training: an unknown profile raises
     :class:`~zenflow_triton.profiles.ProfileNotFoundError`, an unknown preset or a profile
@@ -517,11 +520,20 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         factory, ts = factory or f, ts or t
     grid = grid or QualityGrid()
     grid.points()  # validate before training
-    store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
-                             study_name=study_name, log=log, **grid_kw)
     # the grid point overrides the profile's quality settings; the rest (accumulate_on,
     # chunk_size, host_threads...) are kept as the profile has them, in its order
     base = dict(prof.settings)
+    only = None
+    if lean is None and not grid.lean and not any(
+            _fits(hw, wl, gpus, base, p) for p in grid.points()):
+        grid, only = dataclasses.replace(grid, lean=True), _lean_or_fits(hw, wl, gpus, base)
+        log(f"no grid point fits {wl.name} on {hw.name} with the dense set: adding the lean "
+            f"variant ({', '.join(f'{k}={v!r}' for k, v in LEAN_POINT.items())}) of each "
+            "point that then fits")
+    elif lean:
+        grid = dataclasses.replace(grid, lean=True)
+    store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
+                             study_name=study_name, log=log, only=only, **grid_kw)
     rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base)
     eligible = [r for r in rows if r.eligible]
     zo = M.predict(hw, wl, "zero-offload", gpus=gpus, config=M.zenflow_config(base))
@@ -534,6 +546,44 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         out.profile = modelled_profile(out, save_as)
         out.profile_path = save_profile(out.profile, profile_dir)
     return out
+
+
+def _prediction(hw: M.Hardware, wl: M.Workload, gpus: int, settings: dict[str, Any]
+                ) -> tuple[M.Prediction, dict[str, Any]]:
+    """The modelled zenflow step of ``settings``, or, where it does not fit with the window
+    summed on the device, of the same summed on the host (same arithmetic: see
+    :func:`rank_points`), with the settings it was made with."""
+    try:
+        cfg = M.zenflow_config(settings)
+    except M.StepModelError as e:
+        raise ModelledError(f"settings {settings}: {e}") from None
+    pred = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg)
+    if not pred.fits and cfg.accumulate_on != "host":
+        lean = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg.replace(accumulate_on="host"))
+        if lean.fits:
+            return lean, dict(settings, accumulate_on="host")
+    return pred, settings
+
+
+def _over(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    settings = dict(base)
+    settings.update(point)
+    settings["apply_delay"] = point.get("apply_delay")  # a point without one: None
+    return settings
+
+
+def _fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any],
+          point: dict[str, Any]) -> bool:
+    return _prediction(hw, wl, gpus, _over(base, point))[0].fits
+
+
+def _lean_or_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any]
+                  ) -> Callable[[dict[str, Any]], bool]:
+    """Keeps every plain point (the table shows them) and the lean points that fit."""
+    def keep(point: dict[str, Any]) -> bool:
+        lean = all(point.get(k) == v for k, v in LEAN_POINT.items())
+        return not lean or _fits(hw, wl, gpus, base, point)
+    return keep
 
 
 def _nothing_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any],
@@ -551,7 +601,7 @@ def _nothing_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any
     if lean is None:
         return text
     names = ", ".join(f"{k}={v!r}" for k, v in M.lean_changes(lean, cfg).items())
-    return text + f"; {names} would fit (not yet in the quality grid)"
+    return text + f"; {names} would fit (a point the grid does not hold: --topk-grid)"
 
 
 def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
@@ -637,7 +687,8 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
     store, wl = out.store, out.workload
     zo_t = out.zero_offload.modelled_step_time_s
     head = (f"{'rank':>4} {'tokens/s':>10} {'vs zero-off':>11} {'step s':>7} {'stall':>6} "
-            f"{'loss':>7} {'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5} {'delay':>5}")
+            f"{'loss':>7} {'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5} {'delay':>5} "
+            f"{'device side':<14}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(out.eligible[:top], 1):
         s = r.point.settings
@@ -645,7 +696,8 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
             f"{i:>4} {r.throughput:>10,.0f} {zo_t / r.step_time_s:>10.2f}x "
             f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
             f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
-            f"{s['update_interval']:>4} {s['select_interval']:>5} {delay_steps(s):>5}")
+            f"{s['update_interval']:>4} {s['select_interval']:>5} {delay_steps(s):>5} "
+            f"{_device_side(r.settings):<14}")
     if not out.eligible:
         lines.append("  (no feasible grid point fits)")
     ref = store.reference
@@ -670,6 +722,17 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
                  f"(from {ref.get('initial_loss') or math.nan:.4f})")
     lines += [f"note: {n}" for n in out.notes]
     return "\n".join(lines)
+
+
+def _device_side(settings: dict[str, Any]) -> str:
+    """What of a row's settings decides its device memory: the dense set kept (``dense``) or
+    not (``lean``), the window summed on the ``host`` or device, in bf16 or fp32."""
+    dense = "lean" if settings.get("dense_params") == () else "dense"
+    if settings.get("update_interval", 2) <= 1:
+        return dense  # no window to sum
+    acc = "bf16" if settings.get("accumulator_dtype") == "bfloat16" else "fp32"
+    where = "host" if settings.get("accumulate_on") == "host" else "dev"
+    return f"{dense} {where}-{acc}"
 
 
 def guard_line(store: QualityStore) -> str:

@@ -382,6 +382,53 @@ def test_a_point_that_fits_only_with_host_accumulation_takes_it(dirs, fake):
                             config=dict(r.settings, accumulate_on="device")) for r in windows]
     assert not any(p.fits for p in on_device)
     assert out.best is not None and out.best.prediction.device_memory_bytes <= 40e9
-    big = _run(f"sqlite:///{dirs / 'q.db'}", profile=forty, model="llama3-8b")
+    # without the lean points (searched by default where nothing else fits: the next tests)
+    big = _run(f"sqlite:///{dirs / 'q.db'}", profile=forty, model="llama3-8b", lean=False)
     assert big.best is None
     assert any("dense_params=()" in n and "would fit" in n for n in big.notes), big.notes
+
+
+# ---- memory: the lean variant of each point ---------------------------------------------------
+def _lean(settings: dict) -> bool:
+    return all(settings.get(k) == v for k, v in MD.LEAN_POINT.items())
+
+
+def test_lean_points_are_trained_only_where_nothing_plain_fits_and_only_those_that_fit(
+        dirs, fake):
+    url = f"sqlite:///{dirs / 'q.db'}"
+    roomy = _run(url, model="llama3-8b")  # 80 GB: the dense set fits
+    assert not any(_lean(s) for s in fake["train"]) and roomy.best is not None
+    assert not any(_lean(r.point.settings) for r in roomy.rows)
+    card = MD.profile_of("a100-pcie4", 40)
+    out = _run(url, profile=card, model="llama3-8b", save_as="a40-l3")
+    lean_rows = [r for r in out.rows if _lean(r.point.settings)]
+    assert lean_rows and all(r.fits for r in lean_rows)  # only those that fit were trained
+    assert not any(r.fits for r in out.rows if not _lean(r.point.settings))
+    assert len(fake["train"]) == 9 + len(lean_rows)
+    assert out.best is not None and _lean(out.best.settings)
+    assert out.best.prediction.device_memory_bytes <= 40e9
+    saved = load_profile("a40-l3").settings
+    assert saved["dense_params"] == [] or saved["dense_params"] == ()
+    assert saved["accumulator_dtype"] == "bfloat16"
+    if saved["update_interval"] > 1:
+        assert saved["accumulate_on"] == "host"
+    table = MD.format_modelled_table(out)
+    assert "device side" in table and "lean" in table
+
+
+def test_lean_can_be_forced_or_refused(dirs, fake):
+    url = f"sqlite:///{dirs / 'q.db'}"
+    out = _run(url, lean=True)
+    assert sum(_lean(s) for s in fake["train"]) == 9 == sum(_lean(r.point.settings)
+                                                               for r in out.rows)
+    card = MD.profile_of("a100-pcie4", 40)
+    none = _run(url, profile=card, model="llama3-8b", lean=False)
+    assert none.best is None or not _lean(none.best.settings)
+
+
+def test_point_keys_keep_their_old_form_with_an_fp32_accumulator():
+    plain = MD.QualityGrid(topk_ratios=(0.1,), update_intervals=(4,)).points()[0]
+    assert "accumulator_dtype" not in json.loads(MD.point_key(plain))
+    lean = dict(plain, **MD.LEAN_POINT)
+    assert json.loads(MD.point_key(lean))["accumulator_dtype"] == "bfloat16"
+    assert MD.point_key(lean) != MD.point_key(plain)

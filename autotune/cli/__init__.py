@@ -134,6 +134,10 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--topk-grid", dest="topk_grid",
                    help="modelled objective: comma-separated topk_ratio values of the "
                         "quality grid (default 0.01,0.02,0.05,0.1,0.2,0.3,0.5)")
+    r.add_argument("--lean", choices=("auto", "yes", "no"), default="auto",
+                   help="modelled objective: also search each grid point's lean variant (no "
+                        "dense set, the window summed in bf16, on the host where needed): "
+                        "auto (default) where no plain point fits the device's memory")
     r.add_argument("--interval-grid", dest="interval_grid",
                    help="modelled objective: comma-separated update_interval values of the "
                         "quality grid (default 1,2,4,8,16)")

@@ -85,6 +85,7 @@ def _check_measured_options(args: argparse.Namespace) -> None:
                                     ("--tokens", args.tokens), ("--mfu", args.mfu),
                                     ("--topk-grid", args.topk_grid),
                                     ("--interval-grid", args.interval_grid),
+                                    ("--lean", args.lean != "auto"),
                                     ("--device-memory-gb", args.device_memory_gb)) if v]
     if modelled_only:
         raise UsageError(f"{', '.join(modelled_only)}: only with --objective modelled")
@@ -251,6 +252,7 @@ def run_modelled(args: argparse.Namespace) -> int:
     out = MD.run_modelled(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
                           mfu=args.mfu, factory=factory, ts=ts, grid=grid, storage_url=url,
                           study_name=args.study, save_as=save_as, log=say,
+                          lean={"auto": None, "yes": True, "no": False}[args.lean],
                           **heartbeat_options(args))
     return _report_modelled(out, args.top)
 
