@@ -34,14 +34,24 @@ CONFIGS = {
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
         tie_word_embeddings=False),
+    "qwen3-0.6b": lambda: transformers.Qwen3Config(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, tie_word_embeddings=True),
+    "qwen3-14b": lambda: transformers.Qwen3Config(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, tie_word_embeddings=False),
 }
 
 
-@pytest.mark.parametrize("preset,published", [("llama3-8b", 8_030_261_248),
-                                              ("llama3-70b", 70.55e9), ("mistral-7b", 7.24e9),
-                                              ("qwen2.5-7b", 7.62e9)])
-def test_new_presets_have_the_published_parameter_counts(preset, published):
-    assert S.Workload.from_preset(preset).numel == pytest.approx(published, rel=1e-3)
+@pytest.mark.parametrize("preset,published,rel", [
+    ("llama3-8b", 8_030_261_248, 1e-3), ("llama3-70b", 70.55e9, 1e-3),
+    ("mistral-7b", 7.24e9, 1e-3), ("qwen2.5-7b", 7.62e9, 1e-3),
+    # the Qwen3 model cards give 0.6B and 14.8B: within half their last digit
+    ("qwen3-0.6b", 0.6e9, 0.05 / 0.6), ("qwen3-14b", 14.8e9, 0.05 / 14.8)])
+def test_new_presets_have_the_published_parameter_counts(preset, published, rel):
+    assert S.Workload.from_preset(preset).numel == pytest.approx(published, rel=rel)
 
 
 @pytest.mark.parametrize("preset", sorted(CONFIGS))

@@ -506,14 +506,15 @@ def test_fsdp2_shards_the_device_side_and_leaves_the_host_side_as_under_ddp():
     for mode in S.MODES:
         one = S.predict(h, wl, mode, gpus=1).to_dict()
         assert S.predict(h, wl, mode, gpus=1, sharding="fsdp2").to_dict() == one
-    for mode in S.MODES:
-        ddp = S.predict(h, wl, mode, gpus=4)
-        fsdp = S.predict(h, wl, mode, gpus=4, sharding="fsdp2")
+    for mode in S.MODES:  # state-swap: the same resident share (the most that fits differs)
+        ddp = S.predict(h, wl, mode, gpus=4, resident_fraction=0.0)
+        fsdp = S.predict(h, wl, mode, gpus=4, sharding="fsdp2", resident_fraction=0.0)
         assert fsdp.memory["host"] == ddp.memory["host"]
         assert fsdp.link_bytes_per_step == ddp.link_bytes_per_step
         for key, v in ddp.memory["device"].items():
             if key in ("column indices", "window accumulator (rank's rows)",
-                       "optimizer state (sharded 1/N)"):
+                       "optimizer state (sharded 1/N)", "resident Adam state (sharded 1/N)",
+                       "two streaming buffers"):
                 assert fsdp.memory["device"][key] == v     # whole, or sharded already
             else:
                 assert fsdp.memory["device"][key] == pytest.approx(v / 4, rel=1e-12), key
@@ -536,7 +537,10 @@ def test_cli_predict_sharding_fsdp2_reports_per_gpu_memory(capsys):
     fsdp = json.loads(capsys.readouterr().out)
     for mode in S.MODES:
         assert fsdp[mode]["device_memory_bytes"] < ddp[mode]["device_memory_bytes"]
-        assert fsdp[mode]["host_memory_bytes"] == ddp[mode]["host_memory_bytes"]
+        if mode == "state-swap":  # the room FSDP2 frees keeps more of the state resident
+            assert fsdp[mode]["host_memory_bytes"] < ddp[mode]["host_memory_bytes"]
+        else:
+            assert fsdp[mode]["host_memory_bytes"] == ddp[mode]["host_memory_bytes"]
     assert cli.main(args + ["--sharding", "fsdp2"]) == 0
     out = capsys.readouterr().out
     assert "4 GPU(s) (fsdp2)" in out and "not modelled" in out

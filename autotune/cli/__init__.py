@@ -195,8 +195,8 @@ def _add_predict_parser(sub: Any) -> None:
                         description="The step-time model (autotune/stepmodel.py, "
                                     "docs/stepmodel.md): step time, stall, link bytes, host "
                                     "busy and memory of adamw, zero-offload, zero-offload-dpu, "
-                                    "overlapped-offload and zenflow for a model preset on a "
-                                    "profile's hardware facts.")
+                                    "overlapped-offload, state-swap and zenflow for a model "
+                                    "on a profile's hardware facts.")
     pr.add_argument("--profile", required=True, help=PROFILE_HELP)
     pr.add_argument("--model", required=True, help=MODEL_HELP)
     pr.add_argument("--device-memory-gb", type=float, default=None, help=MEMORY_HELP)
@@ -226,6 +226,10 @@ def _add_predict_parser(sub: Any) -> None:
                     help="ZenFlow dense_params: name patterns of matrices kept whole on the "
                          "device (default: the profile's, else embeddings and the LM head); "
                          "given with no pattern, every matrix is split")
+    pr.add_argument("--resident-fraction", type=float, default=None,
+                    help="state-swap: the share of the Adam state kept on the device, in "
+                         "[0, 1] (default: the most that fits; NeMo-RL's "
+                         "optimizer_offload_fraction is 1 minus this)")
     pr.add_argument("--measure-host", action="store_true",
                     help="time this machine's host AdamW (~1 s) and use it as the host rate")
     pr.add_argument("--json", action="store_true", help="one JSON object, keyed by mode")

@@ -18,6 +18,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
     if args.topk_ratio is not None and not 0 <= args.topk_ratio <= 1:
         raise UsageError(f"--topk-ratio must be in [0, 1], got {args.topk_ratio}")
+    if args.resident_fraction is not None and not 0 <= args.resident_fraction <= 1:
+        raise UsageError(f"--resident-fraction must be in [0, 1], got {args.resident_fraction}")
     try:  # unknown: ProfileNotFoundError names the known ones
         prof = MD.profile_of(args.profile, args.device_memory_gb)
     except MD.ModelledError as e:
@@ -28,7 +30,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
                               mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
     settings, overrides = _settings(args, prof.settings)
     cfg = M.zenflow_config(settings, **overrides)
-    preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
+    preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding,
+                          resident_fraction=args.resident_fraction)
     if args.plot:
         M.plot_timelines(preds, args.plot, title=f"{wl.name} on {hw.name}, {args.gpus} GPU(s), "
                                                  f"{wl.tokens} tokens/GPU/step (model)")

@@ -57,14 +57,14 @@ from .inputs import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_HOST_ADAM_ELEMENTS_P
                      ParamSpec, StepModelError, Workload, zenflow_config)
 from .timeline import Prediction, Segment
 from .step import (LEAN_CHOICES, fitting_zenflow, host_update_seconds, lean_changes,
-                   params_and_grads_bytes, predict, predict_all)
+                   params_and_grads_bytes, predict, predict_all, resident_that_fits)
 from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, calibration,
                      calibration_table, markdown_table, plot_timelines)
 
 __all__ = [
     "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
     "Workload", "Segment", "Prediction", "predict", "predict_all", "host_update_seconds",
-    "fitting_zenflow", "lean_changes", "params_and_grads_bytes", "LEAN_CHOICES",
+    "fitting_zenflow", "lean_changes", "resident_that_fits", "params_and_grads_bytes", "LEAN_CHOICES",
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",
     "CALIBRATION_SOURCE", "CALIBRATION_ASSUMPTIONS",
     "DEFAULT_MFU", "DEFAULT_TOKENS", "DEFAULT_SEQ_LEN",

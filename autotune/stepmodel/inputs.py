@@ -28,7 +28,8 @@ from zenflow_triton.config import matches_any
 
 from ..detect import usable_cpus
 
-MODES = ("adamw", "zero-offload", "zero-offload-dpu", "overlapped-offload", "zenflow")
+MODES = ("adamw", "zero-offload", "zero-offload-dpu", "overlapped-offload", "state-swap",
+         "zenflow")
 SHARDINGS = ("ddp", "fsdp2")
 """How params are laid out over the GPUs: ``ddp`` (each GPU holds the whole model; the
 offloaded rows and ``adamw``'s state sharded 1/N) or ``fsdp2`` (``fully_shard``: params,
@@ -61,6 +62,10 @@ HOST_ADAM_BYTES_PER_ELEMENT = 28
 DEVICE_ADAMW_BYTES_PER_ELEMENT = 28
 """Fused mixed-precision AdamW on the device per element: bf16 grad read (2), fp32 master,
 m and v read and written (24), bf16 param written (2); an fp32 param is its own master (28)."""
+STATE_SWAP_CHUNK_ELEMENTS = 1 << 26
+"""State-swap streams the Adam state in chunks of at most this many elements (0.8 GB of fp32
+master, m and v), through two device buffers: one chunk's copy overlaps another's update.
+The chunk size changes the buffers' memory and the pipeline's fill, not the steady rate."""
 INDEX_BYTES = 8
 """int64 column indices (device_idx / host_idx) of a split matrix."""
 SCRATCH_BYTES_PER_THREAD = 2 * 1024 * 1024
@@ -290,6 +295,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         source="Qwen2.5 technical report (arXiv 2412.15115, Table 1); Qwen/Qwen2.5-7B "
                "config.json: hidden 3584, 28 layers, intermediate 18944, vocab 152064, 28 "
                "query / 4 KV heads, untied head, q/k/v biases"),
+    "qwen3-0.6b": dict(
+        arch="llama", hidden=1024, layers=28, intermediate=3072, vocab=151936, heads=16,
+        kv_heads=8, head_dim=128, qk_norm=True, tied=True,
+        source="Qwen3 technical report (arXiv 2505.09388, Table 1); Qwen/Qwen3-0.6B "
+               "config.json: hidden 1024, 28 layers, intermediate 3072, vocab 151936, 16 "
+               "query / 8 KV heads of dim 128, q/k norms, tied embeddings"),
+    "qwen3-14b": dict(
+        arch="llama", hidden=5120, layers=40, intermediate=17408, vocab=151936, heads=40,
+        kv_heads=8, head_dim=128, qk_norm=True, tied=False,
+        source="Qwen3 technical report (arXiv 2505.09388, Table 1); Qwen/Qwen3-14B "
+               "config.json: hidden 5120, 40 layers, intermediate 17408, vocab 151936, 40 "
+               "query / 8 KV heads of dim 128, q/k norms, untied head"),
     "opt-350m": dict(
         arch="opt", hidden=1024, layers=24, intermediate=4096, vocab=50272, heads=16,
         max_positions=2048, embed_dim=512, tied=True,
@@ -304,23 +321,26 @@ def _build_preset(a: Mapping[str, Any], seq: int) -> tuple[Layer, ...]:
     attn_flops = 12.0 * d * seq  # per layer per token: QK^T and AV, forward + backward
     layers: list[Layer] = []
     if a["arch"] == "llama":
-        head_dim = d // H
-        kv = a["kv_heads"] * head_dim
+        head_dim = a.get("head_dim", d // H)
+        q, kv = H * head_dim, a["kv_heads"] * head_dim
         bias = a.get("qkv_bias", False)
         layers.append(Layer("embed_tokens", (ParamSpec("embed_tokens.weight", (V, d)),), 0.0))
         for i in range(L):
             p = f"layers.{i}."
-            ps = [ParamSpec(p + "self_attn.q_proj.weight", (d, d)),
+            ps = [ParamSpec(p + "self_attn.q_proj.weight", (q, d)),
                   ParamSpec(p + "self_attn.k_proj.weight", (kv, d)),
                   ParamSpec(p + "self_attn.v_proj.weight", (kv, d)),
-                  ParamSpec(p + "self_attn.o_proj.weight", (d, d)),
+                  ParamSpec(p + "self_attn.o_proj.weight", (d, q)),
                   ParamSpec(p + "mlp.gate_proj.weight", (ff, d)),
                   ParamSpec(p + "mlp.up_proj.weight", (ff, d)),
                   ParamSpec(p + "mlp.down_proj.weight", (d, ff)),
                   ParamSpec(p + "input_layernorm.weight", (d,)),
                   ParamSpec(p + "post_attention_layernorm.weight", (d,))]
+            if a.get("qk_norm"):
+                ps += [ParamSpec(p + "self_attn.q_norm.weight", (head_dim,)),
+                       ParamSpec(p + "self_attn.k_norm.weight", (head_dim,))]
             if bias:
-                ps += [ParamSpec(p + "self_attn.q_proj.bias", (d,)),
+                ps += [ParamSpec(p + "self_attn.q_proj.bias", (q,)),
                        ParamSpec(p + "self_attn.k_proj.bias", (kv,)),
                        ParamSpec(p + "self_attn.v_proj.bias", (kv,))]
             mat = sum(x.numel for x in ps if len(x.shape) == 2)

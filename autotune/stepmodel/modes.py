@@ -1,8 +1,9 @@
 """The modes, each a small dependency graph of one training step on the four lanes: AdamW on
 the device, ZeRO-Offload (synchronous), ZeRO-Offload with a one-step delayed update,
-exact AdamW overlapped per layer, and this library's ZenFlow step (selective AdamW on the
-device, a windowed host update, optionally overlapped with the next window); with what
-they are built from:
+exact AdamW overlapped per layer, state-swap (the Adam state kept in pinned host memory
+and streamed through the device for an exact AdamW step every step, a fraction of it
+resident), and this library's ZenFlow step (selective AdamW on the device, a windowed host
+update, optionally overlapped with the next window); with what they are built from:
 
 * :class:`Costs` (:func:`gpu_costs`): the durations and element counts one GPU's process
   sees: each layer's forward and backward time on the accelerator (FLOPs over MFU x
@@ -20,13 +21,15 @@ they are built from:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from zenflow_triton.columns.selection import num_selected
 
 from .inputs import (DEVICE_ADAMW_BYTES_PER_ELEMENT, DTYPE_BYTES, HOST_ADAM_BYTES_PER_ELEMENT,
-                     INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, Hardware, Workload)
+                     INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, STATE_SWAP_CHUNK_ELEMENTS,
+                     Hardware, Workload)
 from .timeline import Lanes, run_windows
 
 
@@ -87,7 +90,26 @@ def zenflow_split(wl: Workload, cfg: Any) -> tuple[float, float, float]:
     return e_dev, e_host, idx
 
 
-def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int) -> dict[str, dict]:
+def state_bytes(c: Costs) -> int:
+    """Bytes of Adam state per element that state-swap moves each way: fp32 master, m and v
+    (12), or m and v (8) for an fp32 param, which is its own master."""
+    return 12 if c.b < 4 else 8
+
+
+def swap_chunks(c: Costs, resident: float) -> list[float]:
+    """State-swap's streamed chunks (elements) of this GPU's share (1/N: the state is sharded
+    over the GPUs as in ZeRO-1/2) less the ``resident`` share: equal chunks of at most
+    :data:`STATE_SWAP_CHUNK_ELEMENTS` over the flat state (equal, so that no chunk waits for
+    a larger one's buffer)."""
+    total = sum(c.matrix) / c.n_gpus * (1.0 - resident)
+    if total <= 0:
+        return []
+    n = math.ceil(total / STATE_SWAP_CHUNK_ELEMENTS)
+    return [total / n] * n
+
+
+def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
+               resident: float = 0.0) -> dict[str, dict]:
     b, n, d = c.b, c.n_gpus, c.shard       # d: N under FSDP2 (this GPU's rows), else 1
     master = 12 if b < 4 else 8            # fp32 master (a bf16 param needs one), m, v
     dev: dict[str, float] = {"params": c.total * b / d, "grads": c.total * b / d}
@@ -100,6 +122,11 @@ def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int) -> dic
         dev["optimizer state (sharded 1/N)"] = c.total * master / n
     else:
         dev["small params' AdamW state"] = c.small * master / d
+    if mode == "state-swap":
+        sb = state_bytes(c)
+        dev["resident Adam state (sharded 1/N)"] = P / n * resident * sb
+        dev["two streaming buffers"] = 2 * max(swap_chunks(c, resident), default=0.0) * sb
+        host["Adam state, pinned (sharded 1/N)"] = P / n * (1.0 - resident) * sb
     if mode in ("zero-offload", "zero-offload-dpu", "overlapped-offload"):
         host["master + moments"] = P / n * (4 + 2 * s)
         host["worker scratch"] = scratch + moment_scratch
@@ -215,6 +242,36 @@ def overlapped_offload(c: Costs, K: int):
                 t = L.run("host", host[l], "host AdamW", [t])
                 m[("ready", l)] = L.run("link-up", down[l], "params up", [t])
         L.run("device", small, "AdamW small params (device)")
+        return start
+
+    return run_windows(body, K)
+
+
+def state_swap(c: Costs, K: int, resident: float):
+    """Exact AdamW every step with the Adam state in pinned host memory (this GPU's 1/N):
+    after backward, the small params' and the resident state's AdamW on the device, then
+    chunk after chunk: the state goes up, AdamW updates it and the params on the device, the
+    state goes down. Two buffers: a chunk goes up once the chunk two before it is down (so
+    the first two of a step go up during the forward and backward), and the last ones go
+    down during the next forward. Link-bound: 2 x 12 bytes per offloaded element, each way
+    its own lane."""
+    F, B = sum(c.fwd), sum(c.bwd)
+    sb = state_bytes(c)
+    chunks = swap_chunks(c, resident)
+    on_device = (_small_adam(c) + sum(c.matrix) / c.n_gpus * resident
+                 * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm)
+
+    def body(L: Lanes, w: int, i: int) -> float:
+        m = L.marks  # ("free", b): when streaming buffer b is free again
+        start = L.free["device"]
+        L.run("device", F, "forward")
+        L.run("device", B, "backward")
+        L.run("device", on_device, "AdamW resident state (device)")
+        for j, e in enumerate(chunks):
+            up = L.run("link-up", e * sb / c.BL, "state up", [m.get(("free", j % 2), 0.0)])
+            t = L.run("device", e * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm,
+                      "AdamW streamed chunk (device)", [up])
+            m[("free", j % 2)] = L.run("link-down", e * sb / c.BL, "state down", [t])
         return start
 
     return run_windows(body, K)

@@ -10,14 +10,15 @@ from typing import Any, Sequence
 
 from .inputs import (DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SETTING_KEYS, SHARDINGS,
                      Hardware, StepModelError, Workload, zenflow_config)
-from .modes import (adamw, gpu_costs, memory_use, overlapped_offload, zenflow, zenflow_split,
-                    zero_offload, zero_offload_dpu)
+from .modes import (adamw, gpu_costs, memory_use, overlapped_offload, state_bytes, state_swap,
+                    zenflow, zenflow_split, zero_offload, zero_offload_dpu)
 from .timeline import Prediction, steady_window
 
 
 def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any = None,
             window_steps: int | None = None, prefetch_result: bool = False,
-            sharding: str = "ddp", **settings: Any) -> Prediction:
+            sharding: str = "ddp", resident_fraction: float | None = None,
+            **settings: Any) -> Prediction:
     """Predict one mode's steady-state window (``window_steps`` steps, default the zenflow
     ``update_interval``). ``config`` (a ZenFlowConfig or dict) and ``settings`` (its fields,
     e.g. ``topk_ratio=0.1, update_interval=4, overlap=True, accumulate_on="device"``) are the
@@ -25,7 +26,9 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     and ``host_threads`` from them (which params stay on the device, host state bytes,
     scratch). ``sharding``: ``"ddp"`` (each GPU holds the whole model) or ``"fsdp2"``
     (``fully_shard``: each GPU holds 1/N of the params, gradients and device state, and
-    updates only its rows)."""
+    updates only its rows). ``resident_fraction``: the share of the Adam state that
+    ``"state-swap"`` keeps on the device (NeMo-RL's ``1 - optimizer_offload_fraction``);
+    None: the most that fits (:func:`resident_that_fits`)."""
     if mode not in MODES:
         raise StepModelError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
@@ -33,7 +36,13 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     if sharding not in SHARDINGS:
         raise StepModelError(f"unknown sharding {sharding!r}; shardings: "
                              f"{', '.join(SHARDINGS)}")
+    if resident_fraction is not None and not 0.0 <= resident_fraction <= 1.0:
+        raise StepModelError(f"resident_fraction must be in [0, 1], got {resident_fraction!r}")
     cfg = zenflow_config(config, **settings)
+    if mode == "state-swap" and resident_fraction is None:
+        resident_fraction = resident_that_fits(hw, wl, gpus=gpus, config=cfg,
+                                               sharding=sharding)
+    resident_fraction = resident_fraction or 0.0
     K = window_steps or cfg.update_interval
     # ZenFlow keeps its dense set whole on the device; the other modes offload every matrix.
     c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel,
@@ -56,6 +65,14 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
         (lanes, starts), down_b, up_b = zero_offload_dpu(c, K), P * c.b, P * c.b
     elif mode == "overlapped-offload":
         (lanes, starts), down_b, up_b = overlapped_offload(c, K), P * c.b, P * c.b
+    elif mode == "state-swap":
+        moved = P * (1.0 - resident_fraction) * state_bytes(c)
+        (lanes, starts), down_b, up_b = state_swap(c, K, resident_fraction), moved, moved
+        notes.append(f"{resident_fraction:.0%} of the Adam state resident on the device, "
+                     "the rest streamed through it every step")
+        if gpus > 1 and sharding == "ddp":
+            notes.append("Adam state sharded over the GPUs (ZeRO-1/2); its all-gather is "
+                         "not modelled")
     else:
         K = cfg.update_interval
         (lanes, starts), extra, info = zenflow(c, K, wl, cfg, prefetch_result)
@@ -72,7 +89,7 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     step = window / K + extra
     stall = (window - busy_dev + K * extra) / (K * step) if step > 0 else 0.0
     host_busy = busy_host / (K * step) if step > 0 else 0.0
-    mem = memory_use(mode, wl, c, cfg, threads)
+    mem = memory_use(mode, wl, c, cfg, threads, resident_fraction)
     dev_bytes = int(round(sum(mem["device"].values())))
     host_bytes = int(round(sum(mem["host"].values())))
     fits = hw.device_memory_bytes is None or dev_bytes <= hw.device_memory_bytes
@@ -91,10 +108,29 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
 
 def predict_all(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
                 modes: Sequence[str] = MODES, sharding: str = "ddp",
+                resident_fraction: float | None = None,
                 **settings: Any) -> dict[str, Prediction]:
     """:func:`predict` for every mode, windows of the zenflow ``update_interval`` steps."""
     cfg = zenflow_config(config, **settings)
-    return {m: predict(hw, wl, m, gpus=gpus, config=cfg, sharding=sharding) for m in modes}
+    return {m: predict(hw, wl, m, gpus=gpus, config=cfg, sharding=sharding,
+                       resident_fraction=resident_fraction) for m in modes}
+
+
+def resident_that_fits(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
+                       sharding: str = "ddp") -> float:
+    """The largest share of the Adam state (a multiple of 1%) that state-swap can keep on the
+    device beside everything else it holds there: 1.0 without a memory limit, 0.0 when even
+    streaming all of it does not fit."""
+    if hw.device_memory_bytes is None:
+        return 1.0
+    cfg = zenflow_config(config)
+    none = predict(hw, wl, "state-swap", gpus=gpus, config=cfg, sharding=sharding,
+                   resident_fraction=0.0)
+    state = none.host_memory_bytes  # all of this GPU's Adam state, streamed
+    room = hw.device_memory_bytes - none.device_memory_bytes
+    if state <= 0:
+        return 1.0
+    return max(0, min(100, int(100 * room / state))) / 100
 
 
 def host_update_seconds(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
