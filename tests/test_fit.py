@@ -152,3 +152,23 @@ def test_a_bad_fit_value_is_refused_naming_the_choices():
 def test_cpu_params_are_not_checked():
     assert F.device_capacity_bytes(torch.device("cpu")) is None
     assert F.check(list(Tiny().parameters()), load_profile("cpu").config()) == {}
+
+
+def test_the_constructor_checks_too_and_loses_nothing(monkeypatch):
+    """Not only profiles: settings given by hand are checked the same way, before the
+    optimizer holds anything (a second try with fit='lean' works on the same params)."""
+    model = Tiny().to(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    full, lean = _needs(model), _needs(model, **F.LEAN)
+    _capacity(monkeypatch, (full + lean) // 2)
+    kw = load_profile("a100-pcie4").settings
+    with pytest.raises(DoesNotFitError, match="would need"):
+        ZenFlowOptimizer(model.named_parameters(), lr=1e-3, **kw)
+    with pytest.warns(UserWarning, match="fit='lean'"):
+        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-3, fit="lean", **kw)
+    try:
+        _train(opt, model, steps=2)
+        assert opt.config.accumulate_on == "host"
+    finally:
+        opt.close()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -144,22 +144,24 @@ def check(params: list, config: ZenFlowConfig, fit: str = "check", *,
                           "of that share of each matrix's columns)")
 
 
-def profile_settings(name: str, params: Iterable, overrides: dict[str, Any],
-                     fit: str = "check") -> tuple[list, dict[str, Any]]:
-    """``ZenFlowOptimizer.from_profile``'s params (as a list) and settings: profile
-    ``name``'s, ``overrides`` over them, checked against the params' device (:func:`check`;
-    with ``fit="lean"``, the lean changes taken, with a warning, where only they fit)."""
-    from .profiles import load_profile  # lazy: profiles are not needed otherwise
-
-    settings = dict(load_profile(name).settings)
-    settings.update(overrides)
+def fitted(params: Iterable, config: ZenFlowConfig, fit: str = "check"
+           ) -> tuple[list, ZenFlowConfig]:
+    """The optimizer's params (as a list) and config, checked against the params' device
+    (:func:`check`): with ``fit="lean"`` the lean changes taken, with a warning, where only
+    they fit."""
     params = list(params)
-    fields = {f.name for f in dataclasses.fields(ZenFlowConfig)}
-    config = ZenFlowConfig.of(None, {k: v for k, v in settings.items() if k in fields})
-    changes = check(params, config, fit, what=f"profile {name!r}'s settings")
+    changes = check(params, config, fit)
     if changes:
-        warnings.warn(f"profile {name!r}'s settings do not fit the device; taking "
+        warnings.warn("these settings do not fit the device; taking "
                       + ", ".join(f"{k}={v!r}" for k, v in changes.items())
                       + " (fit='lean')", stacklevel=3)
-        settings.update(changes)
-    return params, settings
+        config = config.replace(**changes)
+    return params, config
+
+
+def profile_settings(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``ZenFlowOptimizer.from_profile``'s settings: profile ``name``'s, ``overrides`` over
+    them."""
+    from .profiles import load_profile  # lazy: profiles are not needed otherwise
+
+    return {**load_profile(name).settings, **overrides}

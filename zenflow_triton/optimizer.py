@@ -24,7 +24,7 @@ from .device import DeviceHalf
 from .dist.fsdp import (LocalState, check_same_kind, local, local_view, localize,
                         refuse)
 from .dist.shard import RowShard
-from .fit import profile_settings
+from .fit import DoesNotFitError, fitted, profile_settings
 from .guards.faults import OptimizerFailedError, StepGuard
 from .guards.finite_check import FiniteWatch, undo_of
 from .guards.inputs import NonFiniteGradientError, Work, check_names, check_params, collect
@@ -54,14 +54,17 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
             group when torch.distributed is initialized, else a single process. Params of a
             model wrapped with FSDP2's ``fully_shard`` (DTensors sharded by rows on a 1-D
             mesh): each rank works on its own rows (``dist.fsdp``), over the mesh's group.
+        fit: when params, gradients and device state would not fit the accelerator: raise
+            ``DoesNotFitError`` ("check"), take ``fit.LEAN`` with a warning ("lean"), "skip".
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, config: ZenFlowConfig | None = None,
-                 process_group: Any = None, **config_fields: Any) -> None:
+                 process_group: Any = None, fit: str = "check", **config_fields: Any) -> None:
         config_fields = without_kernel_choices(config_fields, "keyword arguments")
-        self.config = cfg = ZenFlowConfig.of(config, config_fields)
+        params, cfg = fitted(params, ZenFlowConfig.of(config, config_fields), fit)
+        self.config = cfg
         check_hyper(lr, betas, eps, weight_decay, where="defaults")
         self._index = ParamIndex(lambda: self.param_groups, cfg, self._owner)
         self._params, self._kind, self._param_name = (self._index.params, self._index.kind,
@@ -118,14 +121,13 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_profile(cls, name: str, params: Iterable, lr: float = 1e-3, *,
-                     fit: str = "check", **overrides: Any) -> "ZenFlowOptimizer":
-        """An optimizer with the tuned settings of hardware profile ``name``; ``overrides``
-        (config fields or betas/eps/weight_decay) win and are validated. ``fit``: on an
-        accelerator, "check" raises ``fit.DoesNotFitError`` when params, gradients and
-        device state would not fit it, "lean" takes the leaner settings that do, "skip"."""
-        params, settings = profile_settings(name, params, overrides, fit)
-        return cls(params, lr=lr, **settings)
+    def from_profile(cls, name: str, params: Iterable, lr: float = 1e-3,
+                     **overrides: Any) -> "ZenFlowOptimizer":
+        """Profile ``name``'s tuned settings; ``overrides`` (any keyword of ``__init__``) win."""
+        try:
+            return cls(params, lr=lr, **profile_settings(name, overrides))
+        except DoesNotFitError as e:
+            raise DoesNotFitError(f"profile {name!r}: {e}") from None
 
     @property
     def backend(self) -> str:
