@@ -172,3 +172,13 @@ def test_the_constructor_checks_too_and_loses_nothing(monkeypatch):
     finally:
         opt.close()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_groups_of_tensors_or_named_pairs_count_alike():
+    model = Tiny().to(torch.bfloat16)
+    cfg = load_profile("a100-pcie4").config()
+    named = list(model.named_parameters())
+    want = F.device_bytes(named, cfg)
+    as_pairs = [{"params": named[:2], "weight_decay": 0.0}, {"params": named[2:]}]
+    as_names = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
+    assert F.device_bytes(as_pairs, cfg) == want == F.device_bytes(as_names, cfg)

@@ -57,9 +57,10 @@ class DeviceBytes:
 def _named(params: Iterable) -> list[tuple[str | None, torch.Tensor]]:
     out = []
     for item in params:
-        if isinstance(item, dict):  # a param group
-            names = item.get("param_names") or [None] * len(item["params"])
-            out.extend(zip(names, item["params"]))
+        if isinstance(item, dict):  # a param group: tensors or (name, tensor) pairs
+            inner = _named(item["params"])
+            names = item.get("param_names") or [n for n, _ in inner]
+            out.extend(zip(names, (p for _, p in inner)))
         elif isinstance(item, tuple):
             out.append((item[0], item[1]))
         else:
