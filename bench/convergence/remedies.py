@@ -11,7 +11,10 @@ Variants: a setting (``defaults``: 0.1 x 4, or ``aggressive``: 0.02 x 8, both wi
 ``host_lr_scale="adaptive"``), then any of
 
 * ``split``: ``dense_params=()`` (every matrix split; otherwise the library's dense set:
-  the tiny LM's embeddings and LM head whole on the device),
+  the tiny LM's embeddings and LM head whole on the device); ``dense=P1,P2``: that dense
+  set instead,
+* ``bf16acc``: ``accumulator_dtype="bfloat16"``; ``hostacc``: ``accumulate_on="host"``
+  (the lean corner is ``split/bf16acc/hostacc``); ``topkR``: ``topk_ratio=R``,
 * ``sqrt``: ``host_lr_scale="sqrt"`` instead of ``"adaptive"``,
 * ``selN``: ``select_interval = N x update_interval`` (default 16 windows),
 * ``sync``: ``overlap=False`` (each window's result applied at its own boundary),
@@ -59,6 +62,14 @@ def parse(variant: str) -> tuple[dict, float, bool]:
     for m in mods:
         if m == "split":
             cfg["dense_params"] = ()
+        elif m == "bf16acc":
+            cfg["accumulator_dtype"] = "bfloat16"
+        elif m == "hostacc":
+            cfg["accumulate_on"] = "host"
+        elif m.startswith("topk"):
+            cfg["topk_ratio"] = float(m[4:])
+        elif m.startswith("dense="):
+            cfg["dense_params"] = tuple(m[6:].split(","))
         elif m == "sqrt":
             cfg["host_lr_scale"] = "sqrt"
         elif m == "sync":
@@ -132,7 +143,7 @@ class Rotating:
 
 def run(factory, ts: TuneSettings, variant: str) -> float:
     cfg, sign, rotate = parse(variant)
-    import zenflow_triton.optimizer as O
+    import zenflow_triton.columns.split as O  # where the reselection calls the column rule
 
     def make(params):
         opt = ZenFlowOptimizer(params, lr=ts.lr, betas=ts.betas, eps=ts.eps,
