@@ -89,6 +89,14 @@ class TrainResult:
     unit: str
     stats: dict[str, Any] = field(default_factory=dict)
     initial_loss: float | None = None
+    throughput_halves: tuple[float, float] | None = None
+    """Throughput over the first and the second half of the measured steps (None with fewer
+    than 4 measured steps): apart by much, the machine was not steady."""
+
+
+UNSTEADY = 1.25
+"""The AdamW reference's throughput over the two halves of its run differing by more than
+this factor is warned about (set a priori: one half a quarter faster than the other)."""
 
 
 def quality_limit(reference_loss: float, loss_margin: float) -> float:
@@ -104,6 +112,14 @@ def guard_summary(reference: dict[str, Any], loss_margin: float) -> str:
     limit = quality_limit(float(reference["heldout_loss"]), loss_margin)
     text = (f"AdamW reference held-out loss {reference['heldout_loss']:.4f}; feasible if loss "
             f"<= {limit:.4f} (within {100 * loss_margin:g}% of AdamW's)")
+    halves = reference.get("throughput_halves")
+    if halves and min(halves) > 0 and max(halves) / min(halves) > UNSTEADY:
+        text += (f"\nwarning: the AdamW reference's throughput changed "
+                 f"{max(halves) / min(halves):.2f}x between the halves of its run "
+                 f"({halves[0]:.3g} then {halves[1]:.3g} "
+                 f"{reference.get('unit', 'items')}/s): the machine is busy or still warming up, "
+                 "and every speed-up against it is as unsteady; quiet the machine, or raise "
+                 "--skip-steps and --steps")
     init = reference.get("initial_loss")
     if init is not None and limit >= init:
         text += (f"\nwarning: the guard ({limit:.4f}) is not below the held-out loss before "
@@ -136,6 +152,8 @@ def train_and_measure(factory: Callable[..., Any], make_optimizer: Callable[[Any
     loss_val = math.nan
     diverged = False
     measured = 0
+    mid = ts.skip_steps + (ts.steps - ts.skip_steps) // 2
+    t_mid, items_mid = None, 0
     try:
         it = iter(wl.batches)
         for step in range(1, ts.steps + 1):
@@ -162,6 +180,9 @@ def train_and_measure(factory: Callable[..., Any], make_optimizer: Callable[[Any
             elif step > ts.skip_steps:
                 items += wl.count(batch)
                 measured += 1
+                if step == mid and ts.steps - ts.skip_steps >= 4:
+                    _sync(device)
+                    t_mid, items_mid = time.perf_counter(), items
                 if report is not None and measured % report_every == 0 and step < ts.steps:
                     _sync(device)
                     report(step, items / max(time.perf_counter() - t0, 1e-9))
@@ -177,9 +198,13 @@ def train_and_measure(factory: Callable[..., Any], make_optimizer: Callable[[Any
     if not math.isfinite(hl):
         diverged = True
     thr = items / seconds if measured and seconds > 0 else math.nan
+    halves = None
+    if t_mid is not None and not diverged and t0 < t_mid < t0 + seconds:
+        halves = (items_mid / (t_mid - t0), (items - items_mid) / (t0 + seconds - t_mid))
     return TrainResult(throughput=thr, heldout_loss=hl, final_train_loss=loss_val,
                        diverged=diverged, measured_steps=measured, measured_seconds=seconds,
-                       unit=wl.unit, stats=_jsonable(stats), initial_loss=init)
+                       unit=wl.unit, stats=_jsonable(stats), initial_loss=init,
+                       throughput_halves=halves)
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +229,8 @@ def measure_reference(factory: Callable[..., Any], ts: TuneSettings) -> dict[str
     return {"optimizer": "torch.optim.AdamW", "heldout_loss": res.heldout_loss,
             "initial_loss": res.initial_loss,
             "throughput": res.throughput, "unit": res.unit,
+            "throughput_halves": (list(res.throughput_halves) if res.throughput_halves
+                                  else None),
             "final_train_loss": res.final_train_loss, "steps": ts.steps}
 
 

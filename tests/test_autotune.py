@@ -656,3 +656,38 @@ def test_a_failed_run_leaves_no_empty_study(dirs):
                     space=SearchSpace(max_host_threads=1), n_trials=2, storage_url=url,
                     log=lambda m: None)
     assert "doomed" not in optuna.study.get_all_study_names(storage=S.make_storage(url))
+
+
+def _stalling_workload(stall_after: int):
+    """small_lm whose training steps after ``stall_after`` sleep 0.5 s (longer than a step
+    of this model on a loaded 2-core machine): a machine that got busy."""
+    def make(seed: int = 0, device: str = "cpu") -> Workload:
+        wl = small_lm(seed=seed, device=device)
+        inner, count = wl.loss_fn, [0]
+
+        def loss_fn(model, batch):
+            if torch.is_grad_enabled():  # a training step, not a held-out evaluation
+                count[0] += 1
+                if count[0] > stall_after:
+                    time.sleep(0.5)
+            return inner(model, batch)
+
+        wl.loss_fn = loss_fn
+        return wl
+    return make
+
+
+def test_an_unsteady_reference_is_warned_about_with_its_two_halves():
+    from autotune.objective import guard_summary
+
+    ts = TuneSettings(workload="small", steps=12, skip_steps=2)
+    steady = measure_reference(small_lm, ts)
+    a, b = steady["throughput_halves"]
+    assert a > 0 and b > 0 and "throughput changed" not in guard_summary(
+        dict(steady, throughput_halves=[a, a * 1.1]), ts.loss_margin)
+    # the second half of the measured steps (8..12) sleeps: it is slower than the first
+    busy = measure_reference(_stalling_workload(stall_after=7), ts)
+    first, second = busy["throughput_halves"]
+    assert first > 1.25 * second
+    text = guard_summary(busy, ts.loss_margin)
+    assert "warning: the AdamW reference's throughput changed" in text and "--skip-steps" in text

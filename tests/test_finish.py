@@ -6,7 +6,6 @@ have it, and bad settings fail early."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -196,14 +195,16 @@ def interrupted_run(steps: int, handler) -> tuple[list[torch.Tensor], int]:
     model = make_model()
     opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, select_interval=8, **SPLIT)
     lock, state, stop = threading.Lock(), {"armed": False}, threading.Event()
-    rng, pid, hits = random.Random(0), os.getpid(), [0]
+    rng, main, hits = random.Random(0), threading.main_thread().ident, [0]
 
     def fire():
         while not stop.is_set():
             time.sleep(rng.uniform(0.001, 0.004))
             with lock:
                 if state["armed"]:
-                    os.kill(pid, signal.SIGINT)
+                    # at the main thread: a process-wide kill may be taken by a thread that
+                    # is not running on a loaded machine, and land after the loop's try
+                    signal.pthread_kill(main, signal.SIGINT)
 
     def arm(on: bool) -> None:
         while True:  # an interrupt may land here too: it counts, and arming goes on
