@@ -742,7 +742,13 @@ def guard_line(store: QualityStore) -> str:
 
 def default_save_name(profile: str, model: str, gpus: int, tokens: int | None) -> str:
     """The profile a modelled run saves by default: ``<profile>-<model>``, with the GPUs and
-    tokens when not the defaults (a built-in is not shadowed by accident)."""
+    tokens when not the defaults (a built-in is not shadowed by accident). A model given as
+    a path to a config.json is named by its folder, a ``module:function`` by the function."""
+    if model.endswith(".json") or os.path.sep in model:
+        path = Path(model)
+        model = (path.parent if path.suffix == ".json" else path).name or "model"
+    elif ":" in model:
+        model = model.rpartition(":")[2]
     name = f"{profile}-{model}"
     if gpus != 1:
         name += f"-{gpus}gpu"

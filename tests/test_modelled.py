@@ -343,6 +343,11 @@ def test_default_quality_settings_are_the_tuners_defaults():
                for p in pts)
     assert MD.default_save_name("a100-pcie4", "llama2-7b", 1, None) == "a100-pcie4-llama2-7b"
     assert MD.default_save_name("gh200", "qwen2.5-3b", 4, 8192) == "gh200-qwen2.5-3b-4gpu-8192tok"
+    # the user's own model: a config.json (or its folder) by the folder, a factory by name
+    for spec in ("/models/llama3/config.json", "/models/llama3", "models/llama3/"):
+        assert MD.default_save_name("a100-pcie4-40gb", spec, 1, None) == \
+            "a100-pcie4-40gb-llama3", spec
+    assert MD.default_save_name("h100-sxm5", "mine.models:build", 1, None) == "h100-sxm5-build"
     json.dumps(MD.QualityGrid().points())  # JSON-able: they are stored as study keys
 
 
