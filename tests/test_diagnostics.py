@@ -68,6 +68,18 @@ def test_diagnose_command_on_the_embedded_workload(tmp_path, capsys):
     share = summary["overall"]["energy_share"]
     assert summary["topk_ratio"] <= share <= 1.0  # the top-k hold at least their share
     assert main(["diagnose", "--topk-ratio", "1.5", "--out", str(tmp_path)]) == 1
+    assert "\nverdict: " in out
+
+
+@pytest.mark.parametrize("share,overlap,words", [
+    (0.63, 0.65, "suits ZenFlow (0.63"), (0.36, 0.5, "suits ZenFlow with care"),
+    (0.15, 0.5, "may not suit"), (0.6, 0.2, "changes from step to step")])
+def test_the_verdict_follows_the_measured_thresholds(share, overlap, words):
+    from zenflow_triton.diagnostics import verdict
+
+    s = dict(topk_ratio=0.1, overall=dict(energy_share=share, overlap_prev=overlap))
+    assert words in verdict(s)
+    assert "topk_ratio=0.1 only" in verdict(dict(s, topk_ratio=0.2))
 
 
 def test_kind_table_groups_layers_by_name_without_their_numbers():

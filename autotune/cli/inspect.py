@@ -143,7 +143,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     import torch
 
-    from zenflow_triton.diagnostics import GradientDiagnostics, kind_table
+    from zenflow_triton.diagnostics import GradientDiagnostics, kind_table, verdict
 
     from ..training import WorkloadError, build_workload, smollm2
 
@@ -175,6 +175,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     print(diag.table(args.rows))
     print()
     print(kind_table(diag.summary()))
+    print()
+    print(verdict(diag.summary()))
     try:
         diag.plot(out / "diagnostics.png", title=f"{name}: gradient concentration and "
                                                  f"top-{args.topk_ratio:.0%} stability")
