@@ -45,6 +45,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-adaptive-dense-delay2": dict(host_lr_scale="adaptive", apply_delay=2),
     "zenflow-aggressive-adaptive-dense-delay4": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                      apply_delay=4),
+    # ... applied the step after the window (the least staleness that still overlaps)
+    "zenflow-adaptive-dense-delay1": dict(host_lr_scale="adaptive", apply_delay=1),
+    "zenflow-aggressive-adaptive-dense-delay1": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
+                                                     apply_delay=1),
     # ... and a reselection every second window (instead of every 16th)
     "zenflow-aggressive-adaptive-dense-sel2": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                    select_interval=16),
