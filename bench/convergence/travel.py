@@ -36,7 +36,12 @@ per split matrix and summed over all of them:
     pipeline's record of the adaptive rule; the fixed rules' from ``step_size``), ``cap``
     the trust cap of ``step_size.cap_of_sums``. The host moments are read after
     ``opt.state_dict()`` has waited for the job in flight (which changes nothing), at the
-    last window boundary; the script EMA is taken at the same step.
+    last window boundary; the script EMA is taken at the same step. Also ``q`` of the
+    columns that changed owner at a reselection (a migrated column takes its ``v`` along,
+    rescaled to the destination's step count but not to its gradient's kind): host-owned
+    ones that were device-owned (``q_host_moved``), device-owned ones that were host-owned
+    (``q_dev_moved``: ``v_step_hat / device v_hat``) and, for reference, those device-owned
+    every step (``q_dev_always``, about 1).
 
     PYTHONPATH=. HF_HUB_OFFLINE=1 python bench/convergence/travel.py --workload minilm-tweets \\
         --seed 0 --setting 0.1x4 --json bench/convergence/data/travel_tweets_0.1x4_s0.json
@@ -193,7 +198,8 @@ def main(argv=None) -> int:
         mult = dict(opt_z._pipeline.multipliers)  # noqa: SLF001 (read only)
         out = dict(step=step, boundary_step=boundary_step, lr=opt_z.param_groups[0]["lr"],
                    matrices=[])
-        agg = {"q": [], "e": [], "v_step_over_adamw": []}
+        agg = {"q": [], "e": [], "v_step_over_adamw": [], "q_host_moved": [],
+               "q_dev_moved": [], "q_dev_always": []}
         sums = {cls: np.zeros(3) for cls in ("host", "device", "mixed")}
         counts = {cls: 0 for cls in sums}
         for m in mats:
@@ -230,6 +236,27 @@ def main(argv=None) -> int:
                            never_selected_cols=int(cols.numel()), q_pct=pct(q), e_pct=pct(e))
                 agg["q"].append(q)
                 agg["e"].append(e)
+            # the columns that changed owner: a migrated column keeps its v (rescaled to the
+            # destination's count), a per-step one on the host or a window-mean one on the
+            # device; against the per-step EMA as of now
+            moved = host_idx[m.dev_steps[host_idx] > 0]
+            if hs > 0 and moved.numel():
+                v_host = st["host_v"][:, m.dev_steps[host_idx] > 0].float() / (1 - b2 ** hs)
+                qm = (m.ema_b[:, moved] / (1 - b2 ** boundary_step)
+                      / v_host.clamp_min(1e-30)).reshape(-1).numpy()
+                agg["q_host_moved"].append(qm)
+                row["q_host_moved_pct"] = pct(qm)
+            dev_idx = st["device_idx"].cpu()
+            ds = st["device_step"]
+            if ds > 0 and dev_idx.numel():
+                v_dev = st["device_v"].cpu().float() / (1 - b2 ** ds)
+                qd = m.ema[:, dev_idx] / (1 - b2 ** step) / v_dev.clamp_min(1e-30)
+                was_host = m.dev_steps[dev_idx] < step
+                for key, sel in (("q_dev_moved", was_host), ("q_dev_always", ~was_host)):
+                    if sel.any():
+                        x = qd[:, sel].reshape(-1).numpy()
+                        agg[key].append(x)
+                        row[key + "_pct"] = pct(x)
             out["matrices"].append(row)
         for k, parts in agg.items():
             out[f"{k}_pct"] = pct(np.concatenate(parts)) if parts else [math.nan] * 3
@@ -407,6 +434,12 @@ def report(r: dict) -> str:
                  f"{s['measured']['mean']:.2f}, range {s['measured']['min']}.."
                  f"{s['measured']['max']} over {s['measured']['gradients']} (param, gradient) "
                  f"pairs, {s['measured']['windows_applied_early']} windows applied early")
+    lines += ["", "| step | q_host_moved p10/p50/p90 | q_dev_moved p10/p50/p90 | "
+              "q_dev_always p10/p50/p90 |", "| --- | --- | --- | --- |"]
+    for cp in r["normalisation"]:
+        lines.append(f"| {cp['step']} | " + " | ".join(
+            "/".join(f"{v:.2f}" for v in cp[k + "_pct"])
+            for k in ("q_host_moved", "q_dev_moved", "q_dev_always")) + " |")
     lines += ["", "| step | host cols: RMS travel ZenFlow/AdamW | projection | cosine | "
               "device cols: ratio | projection | mixed: ratio | c mean (min-max) | capped | "
               "q = v_step/v_host p10/p50/p90 | e = (c/n)sqrt(q) p10/p50/p90 | "
