@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     opt_z = ZenFlowOptimizer(named_z, lr=lr, weight_decay=0.01, **setting)
     cfg = opt_z.config
     n_win = cfg.update_interval
-    delay = cfg.effective_apply_delay
+    delay = cfg.effective_apply_delay if cfg.overlap else 0  # overlap=False: in the step
     b1, b2 = opt_z.param_groups[0]["betas"]
     warm = max(1, int(0.1 * steps))
 
@@ -302,7 +302,8 @@ def main(argv=None) -> int:
             st = opt_z.state[m.pz]
             m.dev_steps[st["device_idx"].cpu()] += 1
             if st["host_step"] > host_steps[id(m)]:
-                m.launches.append((step, n_win if plan.boundary and not plan.warmup else 1))
+                m.launches.append((step, n_win if plan.boundary and not plan.warmup else 1,
+                                   plan.apply_now))
             probe(m, st, step, 0)
         if plan.boundary:
             lr_at[step] = lr_now
@@ -370,17 +371,9 @@ def main(argv=None) -> int:
     lags: list[int] = []
     early = 0
     for m in mats:
-        applies = sorted(m.applies)
-        j = 0
-        for b, count in m.launches:
-            while j < len(applies) and applies[j] <= (b, 0):
-                j += 1
-            if j == len(applies):
-                continue
-            a = applies[j][0]
-            nominal = b + (delay if count > 1 else 0)
-            early += a < nominal
-            lags.extend(a - s for s in range(b - count + 1, b + 1))
+        got, e = staleness_lags(m.launches, m.applies, delay)
+        lags += got
+        early += e
     lag = np.array(lags) if lags else np.zeros(0)
     staleness = dict(config=dict(update_interval=n_win, apply_delay=delay,
                                  nominal_range=[delay, delay + n_win - 1],
@@ -414,6 +407,25 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=1)
         print(f"\njson: {args.json}")
     return 0
+
+
+def staleness_lags(launches, applies, delay: int) -> tuple[list[int], int]:
+    """Each gradient's steps to the step applying its window, and how many windows were
+    applied before their nominal step; ``launches``: (step, gradients, applied at once);
+    ``applies``: (step, 0 in the step / 1 at a drain after it)."""
+    applies = sorted(applies)
+    lags, early, j = [], 0, 0
+    for b, count, now in launches:
+        # an apply in the launching step is this window's only when it applies at once
+        # (overlap=False, warm-up); with overlap it is the window before's
+        while j < len(applies) and (applies[j] < (b, 0) or (applies[j] == (b, 0) and not now)):
+            j += 1
+        if j == len(applies):
+            continue
+        a = applies[j][0]
+        early += a < b + (0 if now else delay)
+        lags.extend(a - s for s in range(b - count + 1, b + 1))
+    return lags, early
 
 
 def report(r: dict) -> str:
