@@ -124,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--topk-ratio", type=float, default=None)
     ap.add_argument("--update-interval", type=int, default=None)
     ap.add_argument("--cap", choices=("trust", "none"), default="trust")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other config field (e.g. overlap=false); named in the row")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--adamw", nargs="*", default=[],
@@ -138,8 +140,15 @@ def main(argv=None) -> int:
         setting["topk_ratio"] = args.topk_ratio
     if args.update_interval is not None:
         setting["update_interval"] = args.update_interval
+    for kv in args.set:
+        key, _, val = kv.partition("=")
+        try:
+            setting[key] = json.loads(val)
+        except json.JSONDecodeError:
+            setting[key] = val
     name = (f"sumsq-{args.cap}cap" + (f"-{args.topk_ratio}x{args.update_interval}"
-                                      if args.topk_ratio or args.update_interval else ""))
+                                      if args.topk_ratio or args.update_interval else "")
+            + "".join(f"-{kv}" for kv in args.set))
     made = train.make_optimizer
     record: dict = {}
 
