@@ -27,7 +27,7 @@ the study's; ``--adamw`` names study JSONs whose AdamW rows (same workload and s
 table subtracts.
 
     PYTHONPATH=. HF_HUB_OFFLINE=1 python bench/convergence/sumsq.py --seeds 0 1 \\
-        --adamw /work/runs/q42/s0.json /work/runs/q42/s1.json \\
+        --adamw bench/convergence/data/convergence.json \\
         --json bench/convergence/data/sumsq_tweets.json
 
 A library version would hold ``S`` next to the window accumulator (``acc``): one more

@@ -49,6 +49,9 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-adaptive-dense-delay1": dict(host_lr_scale="adaptive", apply_delay=1),
     "zenflow-aggressive-adaptive-dense-delay1": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                      apply_delay=1),
+    # ... each window's result applied at its own boundary (no overlap: the least staleness)
+    "zenflow-aggressive-adaptive-dense-sync": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
+                                                   overlap=False),
     # ... and a reselection every second window (instead of every 16th)
     "zenflow-aggressive-adaptive-dense-sel2": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                    select_interval=16),
