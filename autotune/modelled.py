@@ -697,7 +697,7 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
             f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
             f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
             f"{s['update_interval']:>4} {s['select_interval']:>5} {delay_steps(s):>5} "
-            f"{_device_side(r.settings):<14}")
+            f"{device_side(r.settings):<14}")
     if not out.eligible:
         lines.append("  (no feasible grid point fits)")
     ref = store.reference
@@ -724,7 +724,7 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-def _device_side(settings: dict[str, Any]) -> str:
+def device_side(settings: dict[str, Any]) -> str:
     """What of a row's settings decides its device memory: the dense set kept (``dense``) or
     not (``lean``), the window summed on the ``host`` or device, in bf16 or fp32."""
     dense = "lean" if settings.get("dense_params") == () else "dense"

@@ -73,7 +73,7 @@ def row(card: str, profile: str, memory: float | None, model: str, quality_rows)
             "- | - | - | - | - |"
     b = out.best
     s = b.settings
-    side = MD._device_side(s)  # noqa: SLF001 - the table's own column
+    side = MD.device_side(s)
     cls = "lean" if side.startswith("lean") else "dense"
     step = b.step_time_s
 

@@ -50,9 +50,9 @@ def row(model: str, profile: str, gpus: int, sharding: str, tokens: int) -> str:
     ratio = fitting[best].step_time_s / zen.step_time_s
     label = best
     if best == "state-swap":
-        share = peers["state-swap"].notes[0].split(" of")[0]
-        label = ("AdamW on the device (all state fits)" if share == "100%"
-                 else f"state-swap, {share} resident")
+        share = M.resident_that_fits(hw, wl, gpus=gpus, sharding=sharding, config=cfg)
+        label = ("AdamW on the device (all state fits)" if share == 1.0
+                 else f"state-swap, {share:.0%} resident")
     verdict = "ZenFlow" if ratio > 1.05 else ("peer" if ratio < 0.95 else "even")
     return (head + f"{zen.step_time_s:.2f} s ({setting}) | {label}: "
             f"{fitting[best].step_time_s:.2f} s | {ratio:.2f}x | {verdict} |")
