@@ -182,3 +182,8 @@ def test_groups_of_tensors_or_named_pairs_count_alike():
     as_pairs = [{"params": named[:2], "weight_decay": 0.0}, {"params": named[2:]}]
     as_names = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
     assert F.device_bytes(as_pairs, cfg) == want == F.device_bytes(as_names, cfg)
+
+
+def test_a_single_tensor_gets_torchs_own_error():
+    with pytest.raises(TypeError, match="iterable of Tensors"):
+        ZenFlowOptimizer(torch.nn.Parameter(torch.zeros(3, 3)))

@@ -150,6 +150,10 @@ def fitted(params: Iterable, config: ZenFlowConfig, fit: str = "check"
     """The optimizer's params (as a list) and config, checked against the params' device
     (:func:`check`): with ``fit="lean"`` the lean changes taken, with a warning, where only
     they fit."""
+    if fit not in FIT_CHOICES:
+        raise ValueError(f"fit must be one of {FIT_CHOICES}, got {fit!r}")
+    if isinstance(params, torch.Tensor):  # not an iterable of params: torch's error says so
+        return params, config
     params = list(params)
     changes = check(params, config, fit)
     if changes:
