@@ -105,8 +105,7 @@ def _gb(n: int | float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def check(params: list, config: ZenFlowConfig, fit: str = "check", *,
-          what: str = "these settings") -> dict:
+def check(params: list, config: ZenFlowConfig, fit: str = "check") -> dict:
     """The config fields to change so ``params`` fit their device: ``{}`` when they fit
     (or the device's memory is unknown, or ``fit="skip"``); :data:`LEAN` with ``fit="lean"``
     when only the lean settings fit (the caller warns); :class:`DoesNotFitError` otherwise,
@@ -125,7 +124,7 @@ def check(params: list, config: ZenFlowConfig, fit: str = "check", *,
         return {}
     lean_cfg = config.replace(**LEAN)
     lean = device_bytes(params, lean_cfg)
-    text = (f"{what} need {_gb(need.total)} of device memory before activations (params "
+    text = (f"these settings need {_gb(need.total)} of device memory before activations (params "
             f"{_gb(need.params)}, gradients {_gb(need.grads)}, optimizer state "
             f"{_gb(need.optimizer)}); {device} has {_gb(has)}")
     if lean.total <= has:
