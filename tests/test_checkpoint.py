@@ -52,14 +52,16 @@ def uninterrupted(data, dtype, **cfg):
     return out
 
 
-@pytest.mark.parametrize("accumulate_on,dtype,apply_delay", [
-    ("device", torch.float32, None), ("device", torch.bfloat16, None),
-    ("host", torch.float32, None), ("host", torch.bfloat16, None),
+@pytest.mark.parametrize("accumulate_on,dtype,apply_delay,host_betas", [
+    ("device", torch.float32, None, "step"), ("device", torch.bfloat16, None, "step"),
+    ("host", torch.float32, None, "step"), ("host", torch.bfloat16, None, "step"),
     # the result of the window that ended at step 12 is applied at step 15, after the resume
-    ("device", torch.float32, 3), ("host", torch.bfloat16, 3)])
-def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype, apply_delay):
+    ("device", torch.float32, 3, "step"), ("host", torch.bfloat16, 3, "step"),
+    # host_step counts gradients, and the saved state carries it
+    ("device", torch.float32, None, "window")])
+def test_resume_mid_window_equals_uninterrupted(accumulate_on, dtype, apply_delay, host_betas):
     data = batches(30)
-    cfg = dict(accumulate_on=accumulate_on, apply_delay=apply_delay)
+    cfg = dict(accumulate_on=accumulate_on, apply_delay=apply_delay, host_betas=host_betas)
     want = uninterrupted(data, dtype, **cfg)
 
     model = make_model(dtype=dtype)

@@ -87,6 +87,18 @@ def test_interval_one_no_overlap_equals_adamw(ratio, rule):
     assert_trajectories_close(got, run_adamw(feed), STEPS, LR)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_window_betas_of_one_step_windows_are_the_betas(overlap):
+    """A window of one gradient decays the moments by beta ** 1: host_betas="window" is
+    the same computation as "step" at update_interval=1, to the bit."""
+    feed = GradFeed(STEPS)
+    cfg = dict(topk_ratio=0.3, update_interval=1, select_interval=3, overlap=overlap)
+    got, _ = run_zenflow(feed, host_betas="window", **cfg)
+    want, _ = run_zenflow(feed, host_betas="step", **cfg)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_zero_offload_mode_updates_everything_on_host():
     feed = GradFeed(8)
     got, stats = run_zenflow(feed, topk_ratio=0.0, update_interval=1, overlap=False)
@@ -236,6 +248,12 @@ SCHEDULES = [
     dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True, apply_delay=1),
     dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True, apply_delay=2,
          warmup_steps=3, host_lr_scale="sqrt"),
+    # per-window betas (beta ** n): with the adaptive rule, and after a warm-up of one-step
+    # windows (the host's gradient count is then no multiple of n: a fractional step)
+    dict(topk_ratio=0.2, update_interval=4, select_interval=8, overlap=True,
+         host_betas="window"),
+    dict(topk_ratio=0.2, update_interval=3, select_interval=6, overlap=True, warmup_steps=2,
+         host_lr_scale="auto", host_betas="window"),
 ]
 
 
@@ -255,16 +273,20 @@ def test_async_schedule_matches_single_threaded_reference(cfg):
 
 
 @pytest.mark.parametrize("base,change", [(2, dict(overlap=False)), (2, dict(host_lr_scale=4.0)),
-                                         (-2, dict(apply_delay=None)), (-2, dict(apply_delay=2)),
-                                         (-1, dict(apply_delay=1)), (-1, dict(apply_delay=3)),
-                                         (-1, dict(apply_delay=None))],
+                                         (-4, dict(apply_delay=None)), (-4, dict(apply_delay=2)),
+                                         (-3, dict(apply_delay=1)), (-3, dict(apply_delay=3)),
+                                         (-3, dict(apply_delay=None)),
+                                         (-2, dict(host_betas="step")),
+                                         (-1, dict(host_betas="step"))],
                          ids=["apply-one-window-early", "fixed-scale-in-warmup",
                               "delay1-at-boundary", "delay1-as-2", "delay2-as-1", "delay2-as-3",
-                              "delay2-at-boundary"])
+                              "delay2-at-boundary", "window-betas-as-step",
+                              "window-betas-as-step-after-warmup"])
 def test_reference_comparison_differs_when_the_schedule_differs(base, change):
     """Guards the reference comparison: applying the window one boundary early, scaling the
-    warm-up's host lr, or applying a result one step earlier or later than its
-    ``apply_delay`` gives a trajectory outside the bound."""
+    warm-up's host lr, applying a result one step earlier or later than its
+    ``apply_delay``, or decaying the host moments once per window instead of ``n`` times
+    gives a trajectory outside the bound."""
     cfg = SCHEDULES[base]
     feed = GradFeed(STEPS)
     got, _ = run_zenflow(feed, host_threads=2, chunk_size=97, **cfg)

@@ -34,6 +34,7 @@ from .support.helpers import batches, loss_fn, make_model, params_of
     ("warmup_steps", -1, "warmup_steps must be >= 0"),
     ("host_threads", 0, "host_threads must be >= 1"),
     ("host_lr_scale", 0.0, "host_lr_scale must be > 0"),
+    ("host_betas", "steps", r"host_betas must be one of \['step', 'window'\]"),
     ("overlap", "yes", "overlap must be a bool"),
     ("apply_delay", 0, r"apply_delay must be in \[1, update_interval=4\] or None, got 0"),
     ("apply_delay", 5, r"apply_delay must be in \[1, update_interval=4\] or None, got 5"),

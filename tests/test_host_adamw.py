@@ -274,8 +274,9 @@ def test_bad_inputs_are_named(host, bad, match):
     bufs = [torch.zeros(100) for _ in range(4)]
     with pytest.raises((TypeError, ValueError), match=match):
         adamw.update(*bad(bufs), hyper(1))
-    with pytest.raises(ValueError, match="step must be an int >= 1"):
-        adamw.update(*bufs, hyper(0))
+    for step in (0, 0.5, float("nan"), True):
+        with pytest.raises(ValueError, match="step must be a number >= 1"):
+            adamw.update(*bufs, hyper(step))
     with pytest.raises(ValueError, match="threads must be"):
         HostAdamW(0, 10, 1.0)
 

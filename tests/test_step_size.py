@@ -160,3 +160,29 @@ def test_the_optimizer_steps_a_steady_gradient_by_n_once_it_has_history():
     assert moves[1] == pytest.approx(2.0, rel=1e-3)   # one step of history: still none
     assert moves[3] == pytest.approx(4.0, rel=1e-3)   # signal: n
     assert mult == pytest.approx(4.0, rel=1e-4)
+
+
+# ------------------------------------------------------------ the moments' horizon
+from zenflow_triton.host.window import window_betas  # noqa: E402
+
+
+def test_step_betas_decay_once_per_window():
+    assert window_betas("step", 0.9, 0.999, 7, 4) == (0.9, 0.999, 8, 8)
+
+
+@pytest.mark.parametrize("windows", [[4, 4, 4], [1, 1, 4, 4], [3, 1, 4, 2]])
+def test_window_betas_count_gradients(windows):
+    """Under "window" a window of n gradients decays by beta ** n, host_step counts the
+    gradients, and the step's bias corrections equal n * k AdamW steps' (1 - beta ** G for
+    G gradients so far), whatever the window sizes before."""
+    host_step = 0
+    for n in windows:
+        b1, b2, host_step, step = window_betas("window", 0.9, 0.999, host_step, n)
+        assert (b1, b2) == (0.9 ** n, 0.999 ** n)
+        assert math.isclose(1 - b1 ** step, 1 - 0.9 ** host_step, rel_tol=1e-12)
+        assert math.isclose(1 - b2 ** step, 1 - 0.999 ** host_step, rel_tol=1e-12)
+    assert host_step == sum(windows)
+    # an int step when every window so far held n gradients (torch's AdamW's kind)
+    assert window_betas("window", 0.9, 0.999, 8, 4)[3] == 3
+    assert isinstance(window_betas("window", 0.9, 0.999, 8, 4)[3], int)
+    assert window_betas("window", 0.9, 0.999, 7, 4)[3] == 11 / 4

@@ -11,7 +11,7 @@ import math
 import torch
 
 
-def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+def bias_corrections(beta1: float, beta2: float, step: float) -> tuple[float, float]:
     """(1 - beta1**step, sqrt(1 - beta2**step)) as Python floats, like torch's AdamW."""
     if step < 1:
         raise ValueError(f"Adam step must be >= 1, got {step}")

@@ -18,6 +18,7 @@ Score = Literal["l2", "l1"]
 AccumulateOn = Literal["device", "host"]
 StateDtype = Literal["float32", "bfloat16"]
 FiniteCheckAt = Literal["auto", "step", "boundary"]
+HostBetas = Literal["step", "window"]
 
 DEFAULT_CHUNK_SIZE = 1 << 22  # 4M fp32 elements = 16 MiB per staging buffer
 DEFAULT_MIN_OFFLOAD_NUMEL = 4096
@@ -125,6 +126,15 @@ class ZenFlowConfig:
     AdamW at fine-tuning learning rates. Warm-up steps are plain AdamW: multiplier 1
     whatever this is."""
 
+    host_betas: HostBetas = "step"
+    """How much a host window decays the host moments m and v. "step": by the group's betas,
+    once per window, as one AdamW step would: the moments remember ``n`` times as many
+    gradients as AdamW's (beta1 = 0.9: 10 windows, 40 gradients at n = 4). "window": by
+    ``beta ** n`` for a window of ``n`` gradients, as ``n`` AdamW steps would (bias corrections
+    counted in gradients): they remember as many gradients as AdamW's. The same for n = 1
+    (warm-up, update_interval=1). Its effect on quality is measured in docs/quality.md
+    ("The moments' horizon")."""
+
     check_finite: bool = True
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any
     state. False: non-finite values flow into the update as in torch.optim.AdamW."""
@@ -180,6 +190,7 @@ class ZenFlowConfig:
         _check_choice("host_state_dtype", self.host_state_dtype, StateDtype)
         _check_choice("accumulator_dtype", self.accumulator_dtype, StateDtype)
         _check_choice("score", self.score, Score)
+        _check_choice("host_betas", self.host_betas, HostBetas)
         _check_choice("backend", self.backend, Backend)
         if self.host_threads is not None:
             _check_number("host_threads", self.host_threads, int, lo=1, rng=">= 1 or None")

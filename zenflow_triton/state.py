@@ -12,7 +12,9 @@ param holds two compact halves of its ``[rows, cols]`` view (``columns.layout.vi
 * ``acc`` (the window accumulator, or None), ``acc_count`` (gradients in it),
   ``host_pending`` (a host result waits to be applied), ``selected``.
 
-Each half has one Adam step count.
+Each half has one Adam step count: the exponent of the group's betas in its moments' bias
+corrections (for the host half, its windows under ``host_betas="step"``, the gradients
+they held under ``"window"``: ``host.window.window_betas``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ rows of the same seeds.
 ``--remedy betas``: the host moments' time constants in steps. The host's ``m`` and ``v``
 are EMAs over windows with AdamW's per-step betas, so they remember ``n`` times longer in
 steps than AdamW's (``beta1 = 0.9``: 10 windows = 40 steps at ``n = 4``, against 10 steps).
-This run gives each window the betas of ``n`` steps: ``beta1**n``, ``beta2**n``.
+This run gives each window the betas of ``n`` steps: ``beta1**n``, ``beta2**n``;
+``--remedy beta1`` only the first moment's (over a run shorter than ``1 / (1 - beta2)``
+steps both v's are close to plain means of the run's windows).
 
     python bench/convergence/noisy_remedies.py --remedy vkind --seeds 0 1 --threads 1
 """
@@ -70,19 +72,19 @@ def convert_v(n: int) -> None:
     MG._plan = wrapped
 
 
-def window_betas() -> None:
+def window_betas(which: tuple[str, ...] = ("beta1", "beta2")) -> None:
     """Wrap the host step's hyperparameters so a window of ``n`` gradients decays the
-    moments as ``n`` AdamW steps would (``beta ** n``)."""
+    moments named in ``which`` as ``n`` AdamW steps would (``beta ** n``)."""
     make = W.HostHyper
 
     def hyper(**kw):
         n = kw.get("grad_divisor", 1.0)
-        return make(**dict(kw, beta1=kw["beta1"] ** n, beta2=kw["beta2"] ** n))
+        return make(**dict(kw, **{b: kw[b] ** n for b in which}))
 
     W.HostHyper = hyper
 
 
-REMEDIES = ("vkind", "betas")
+REMEDIES = ("vkind", "betas", "beta1")
 
 
 def main(argv=None) -> int:
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
         convert_v(n)
     if "betas" in args.remedy:
         window_betas()
+    elif "beta1" in args.remedy:
+        window_betas(("beta1",))
     rows = []
     for seed in args.seeds:
         out = run(BUILDERS[args.workload](seed, **options), zenflow=cfg, lr=lr, steps=steps,

@@ -14,9 +14,14 @@ import math
 import torch
 
 
-def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step):
+def _adamw(w, g, m, v, lr, b1, b2, eps, wd, step, decay=None):
+    """One AdamW step; ``decay``: the moments' decay factors when they are not the betas
+    (a host window under host_betas="window": beta ** n), the bias corrections still
+    ``1 - beta ** step``."""
     bc1 = 1.0 - b1 ** step
     bc2s = math.sqrt(1.0 - b2 ** step)
+    if decay is not None:
+        b1, b2 = decay
     w.mul_(1.0 - lr * wd)
     m.lerp_(g, 1.0 - b1)
     v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
@@ -45,7 +50,7 @@ class ReferenceZenFlow:
                  overlap, apply_delay=None, warmup_steps=0, min_offload_numel=1,
                  host_lr_scale="adaptive",
                  accumulate_on="device", accumulator_dtype="float32",
-                 host_state_dtype="float32"):
+                 host_state_dtype="float32", host_betas="step"):
         self.groups = param_groups
         self.ratio = topk_ratio
         self.ui = update_interval
@@ -66,6 +71,9 @@ class ReferenceZenFlow:
         self.acc_dtype = getattr(torch, accumulator_dtype)
         if host_state_dtype != "float32":
             raise NotImplementedError("the reference models fp32 host moments only")
+        # "step": a host window decays the moments once by the betas, and "sh" counts the
+        # windows; "window": by beta ** n for n gradients, and "sh" counts the gradients
+        self.window_betas = host_betas == "window"
         self.t = 0
         self.st = {}
         # Smallest relative gap between the last selected and the first unselected column
@@ -183,7 +191,9 @@ class ReferenceZenFlow:
                     if not s or "dev" not in s or s["n"] == 0:
                         continue
                     h = ~s["dev"]
-                    s["sh"] += 1
+                    n = s["n"]
+                    before = s["sh"]
+                    s["sh"] += n if self.window_betas else 1
                     w, m, v = s["w"][:, h], s["m"][:, h], s["v"][:, h]
                     mean = s["acc"][:, h] / s["n"] if s["n"] != 1 else s["acc"][:, h]
                     if self.mean_crosses:  # rounded once to the param's dtype
@@ -191,11 +201,14 @@ class ReferenceZenFlow:
                     # Warm-up is plain AdamW; "auto" scales by the window's gradient count.
                     scale = (1.0 if warm else float(s["n"]) if self.host_scale == "auto"
                              else min(math.sqrt(s["n"]), 2.0) if self.host_scale == "sqrt"
-                             else _adaptive(w, m, v, s["n"], s["sh"] - 1, b1, b2, grp["lr"])
+                             else (_adaptive(w, m, v, n, before / n, b1 ** n, b2 ** n,
+                                             grp["lr"]) if self.window_betas else
+                                   _adaptive(w, m, v, n, before, b1, b2, grp["lr"]))
                              if self.host_scale == "adaptive"
                              else float(self.host_scale))
+                    decay = (b1 ** n, b2 ** n) if self.window_betas else None
                     _adamw(w, mean, m, v, lr=grp["lr"] * scale, b1=b1, b2=b2,
-                           eps=grp["eps"], wd=grp["weight_decay"], step=s["sh"])
+                           eps=grp["eps"], wd=grp["weight_decay"], step=s["sh"], decay=decay)
                     s["w"][:, h], s["m"][:, h], s["v"][:, h] = w, m, v
                     s["acc"].zero_()
                     s["n"] = 0

@@ -84,6 +84,10 @@ class HostHyper:
     update) first; the optimizer passes the window's step count so the update uses the
     window mean. Bit-identical to ``grad.div_(grad_divisor)`` before the update.
 
+    ``step``: the exponent of the bias corrections ``1 - beta ** step`` (>= 1; a fraction
+    when a window's betas are ``beta ** n`` and not every window held ``n`` gradients:
+    ``host.window.window_betas``).
+
     ``adaptive_window``: 0, or the window's gradient count ``n`` when ``lr`` is still to be
     multiplied by the adaptive step size (``step_size.adaptive_multiplier``), which the job
     resolves from the moments just before the update (``resolve_adaptive``).
@@ -96,7 +100,7 @@ class HostHyper:
     beta2: float
     eps: float
     weight_decay: float
-    step: int
+    step: int | float
     grad_divisor: float = 1.0
     adaptive_window: int = 0
     adaptive_sums: tuple[float, ...] | None = None
@@ -312,7 +316,7 @@ def _reference_call(lists, steps: Sequence, h: HostHyper) -> None:
         if h.grad_divisor != 1.0:
             g.div_(h.grad_divisor)
         adamw_(p, g, m, v, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-               weight_decay=h.weight_decay, step=int(s))
+               weight_decay=h.weight_decay, step=float(s) if isinstance(s, torch.Tensor) else s)
 
 
 # ---------------------------------------------------------------------------- HostAdamW
@@ -440,8 +444,9 @@ class HostAdamW:
         io = task[5] if len(task) == 6 else None
         if not isinstance(hyper, HostHyper):
             raise TypeError(f"task {i}: hyper must be a HostHyper, got {type(hyper).__name__}")
-        if not isinstance(hyper.step, int) or hyper.step < 1:
-            raise ValueError(f"task {i}: Adam step must be an int >= 1, got {hyper.step!r}")
+        if (isinstance(hyper.step, bool) or not isinstance(hyper.step, (int, float))
+                or not hyper.step >= 1 or not math.isfinite(hyper.step)):
+            raise ValueError(f"task {i}: Adam step must be a number >= 1, got {hyper.step!r}")
         if io is not None and not isinstance(io, PieceIO):
             raise TypeError(f"task {i}: io must be a PieceIO, got {type(io).__name__}")
         loads = io is not None and io.load is not None

@@ -54,12 +54,12 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
                   and p2d.is_contiguous() else None)
     needs_box = store_into is None and (p.device.type == "cuda" or p.dtype != torch.float32)
     st["acc_count"] = 0
-    st["host_step"] += 1
     st["host_pending"] = True
-    beta1, beta2 = group["betas"]
+    beta1, beta2, st["host_step"], step = window_betas(config.host_betas, *group["betas"],
+                                                       st["host_step"], count)
     lr, adaptive_window = window_lr(config.host_lr_scale, group["lr"], count, warmup)
     hyper = HostHyper(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"], step=st["host_step"],
+                      weight_decay=group["weight_decay"], step=step,
                       grad_divisor=float(count), adaptive_window=adaptive_window)
     if shard.collective and hyper.adaptive_window:  # this rank's part; share_adaptive_sums
         whole = p2d.shape[0] if whole_rows is None else whole_rows  # adds them up
@@ -71,6 +71,25 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
             if sharded and source == "direct" else None)
     return Window(p, st["host_master"], st["host_m"], st["host_v"], hyper, source, grad,
                   store_into, p.detach() if needs_box else None, rows)
+
+
+def window_betas(mode: str, beta1: float, beta2: float, host_step: int,
+                 n: int) -> tuple[float, float, int, int | float]:
+    """``(beta1, beta2, host_step, step)`` of the host AdamW step on a window of ``n``
+    gradients: its betas, the param's new ``host_step`` and the step the update's bias
+    corrections take (``1 - beta ** step``), under ``ZenFlowConfig.host_betas``.
+
+    ``host_step`` is always the exponent of the group's betas in the host moments' bias
+    corrections (what a migration rescales by: ``columns.migration.moment_scales``): under
+    "step" the windows so far (each decays the moments once by the betas), under "window"
+    the gradients so far (each window decays them by ``beta ** n``). So under "window" the
+    step is ``host_step / n`` in units of the window's betas: an int when every window held
+    ``n`` gradients, a fraction otherwise, exact either way."""
+    if mode == "step":
+        return beta1, beta2, host_step + 1, host_step + 1
+    grads = host_step + n
+    step = grads / n
+    return beta1 ** n, beta2 ** n, grads, int(step) if step.is_integer() else step
 
 
 def share_adaptive_sums(windows: list[Window], shard) -> list[Window]:
