@@ -55,6 +55,12 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # ... and a reselection every second window (instead of every 16th)
     "zenflow-aggressive-adaptive-dense-sel2": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                    select_interval=16),
+    # the host moments decayed by beta ** n per window of n gradients (host_betas="window")
+    "zenflow-adaptive-dense-window": dict(host_lr_scale="adaptive", host_betas="window"),
+    "zenflow-aggressive-adaptive-dense-window": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
+                                                     host_betas="window"),
+    "zenflow-aggressive-adaptive-dense-window-delay1": dict(
+        host_lr_scale="adaptive", **_AGGRESSIVE, host_betas="window", apply_delay=1),
     # the least device memory (what fits an 8B model on a 40 GB card): the window summed on
     # the host in bf16, every matrix split (no dense set)
     "zenflow-lean": dict(host_lr_scale="adaptive", accumulate_on="host",
