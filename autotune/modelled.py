@@ -61,10 +61,14 @@ QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
 QUALITY_APPLY_DELAYS = (1.0,)
 QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
-                "dense_params", "apply_delay", "accumulator_dtype")
+                "dense_params", "apply_delay", "accumulator_dtype", "host_betas")
 """The settings that change the optimizer's arithmetic, hence the quality (a grid point).
-A point's ``apply_delay`` of None (the default schedule) and ``accumulator_dtype`` of
-"float32" are left out of its key, so points stored before those were searched keep theirs."""
+A point's ``apply_delay`` of None (the default schedule), ``accumulator_dtype`` of "float32"
+and ``host_betas`` of "step" are left out of its key (:data:`KEY_LEFT_OUT`), so points
+stored before those were searched keep theirs."""
+KEY_LEFT_OUT = {"apply_delay": None, "accumulator_dtype": "float32", "host_betas": "step"}
+"""Values of :data:`QUALITY_KEYS` that a point's key leaves out (those settings' values
+before they were keys)."""
 LEAN_POINT = dict(dense_params=(), accumulator_dtype="bfloat16")
 """A grid point's lean variant: no dense set, the window summed in bf16 (and, where the model
 needs it, on the host: ``accumulate_on`` does not change the arithmetic of an fp32 sum, so
@@ -145,13 +149,12 @@ class QualityGrid:
 
 
 def point_key(settings: dict[str, Any]) -> str:
-    """A grid point's identity in the quality study (JSON of its quality settings; an
-    ``apply_delay`` of None, or none, is left out: see :data:`QUALITY_KEYS`)."""
-    key = {k: settings[k] for k in QUALITY_KEYS if k not in ("apply_delay", "accumulator_dtype")}
-    if settings.get("apply_delay") is not None:
-        key["apply_delay"] = settings["apply_delay"]
-    if settings.get("accumulator_dtype", "float32") != "float32":
-        key["accumulator_dtype"] = settings["accumulator_dtype"]
+    """A grid point's identity in the quality study (JSON of its quality settings; a value
+    of :data:`KEY_LEFT_OUT`, or none, is left out)."""
+    key = {k: settings[k] for k in QUALITY_KEYS if k not in KEY_LEFT_OUT}
+    for k, omitted in KEY_LEFT_OUT.items():
+        if settings.get(k, omitted) != omitted:
+            key[k] = settings[k]
     return json.dumps(key, sort_keys=True)
 
 

@@ -437,3 +437,11 @@ def test_point_keys_keep_their_old_form_with_an_fp32_accumulator():
     lean = dict(plain, **MD.LEAN_POINT)
     assert json.loads(MD.point_key(lean))["accumulator_dtype"] == "bfloat16"
     assert MD.point_key(lean) != MD.point_key(plain)
+
+
+def test_point_keys_name_window_betas_and_keep_the_old_form_without():
+    plain = MD.QualityGrid(topk_ratios=(0.1,), update_intervals=(4,)).points()[0]
+    assert plain["host_betas"] == "step" and "host_betas" not in json.loads(MD.point_key(plain))
+    window = dict(plain, host_betas="window")
+    assert json.loads(MD.point_key(window))["host_betas"] == "window"
+    assert MD.point_key(window) != MD.point_key(plain)
