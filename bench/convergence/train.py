@@ -24,6 +24,9 @@ from zenflow_triton import ZenFlowOptimizer
 # the rows made before the dense set existed split every matrix (dense_params=()).
 _SPLIT = dict(dense_params=())
 _AGGRESSIVE = dict(topk_ratio=0.02, update_interval=8)
+WARMUP_AS_LR = "lr"
+"""An optimizer's ``warmup_steps`` that :func:`run` replaces by its learning rate's warm-up."""
+
 OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "adamw": None,  # torch.optim.AdamW
     "zero-offload": dict(topk_ratio=0.0, update_interval=1, overlap=False, **_SPLIT),
@@ -61,6 +64,11 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
                                                      host_betas="window"),
     "zenflow-aggressive-adaptive-dense-window-delay1": dict(
         host_lr_scale="adaptive", **_AGGRESSIVE, host_betas="window", apply_delay=1),
+    # ZenFlow's warm-up (synchronous AdamW, every column on the host) over the learning
+    # rate's warm-up (the first 10% of the steps), where the deferred columns lag most
+    "zenflow-adaptive-dense-warmlr": dict(host_lr_scale="adaptive", warmup_steps=WARMUP_AS_LR),
+    "zenflow-aggressive-adaptive-dense-warmlr": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
+                                                     warmup_steps=WARMUP_AS_LR),
     # the least device memory (what fits an 8B model on a 40 GB card): the window summed on
     # the host in bf16, every matrix split (no dense set)
     "zenflow-lean": dict(host_lr_scale="adaptive", accumulate_on="host",
@@ -85,8 +93,10 @@ def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     # ZenFlow gets the names (its dense set is chosen by name); AdamW the tensors
-    opt = make_optimizer(params if zenflow is None else named, lr, zenflow)
     warm = max(1, int(0.1 * steps))
+    if zenflow is not None and zenflow.get("warmup_steps") == WARMUP_AS_LR:
+        zenflow = dict(zenflow, warmup_steps=warm)
+    opt = make_optimizer(params if zenflow is None else named, lr, zenflow)
     if schedule not in ("constant", "linear"):
         raise ValueError(f"schedule must be 'constant' or 'linear', got {schedule!r}")
 
