@@ -135,6 +135,9 @@ MODES = {"host-acc": dict(accumulate_on="host"),
          # 1: 0.01 * rms(w) / LR < 1): a multiplier between sqrt(4) and 4 that the moments
          # decide, from every rank's rows.
          "adaptive": dict(update_interval=4, select_interval=8, lr=2e-4),
+         # ... with the host moments decayed by beta ** 4 a window (host_step in gradients)
+         "adaptive-window": dict(update_interval=4, select_interval=8, lr=2e-4,
+                                 host_betas="window"),
          # results applied 1 step after their window: the drain (with its agreement and row
          # gather) at a step that is not a boundary, on every rank alike
          "delay1": dict(update_interval=4, select_interval=8, apply_delay=1)}
