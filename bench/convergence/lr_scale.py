@@ -47,10 +47,11 @@ from zenflow_triton.config import ZenFlowConfig  # noqa: E402
 from zenflow_triton.host.step_size import SQRT_SCALE_CAP  # noqa: E402
 
 # "sqrt-cap" is the shipped "sqrt" rule: sqrt(n), at most SQRT_SCALE_CAP. "sqrt" is uncapped.
-RULES = ("1", "sqrt", "sqrt-cap", "n", "adaptive", "adaptive-window")
+RULES = ("1", "sqrt", "sqrt-cap", "n", "adaptive", "adaptive-window", "adaptive-window-delay1")
 # "adaptive-window": the adaptive rule with host_betas="window" (the host moments decayed by
-# beta ** n per window of n gradients)
-WINDOW_BETAS = {"adaptive-window"}
+# beta ** n per window of n gradients); "-delay1": and each result applied the step after
+# its window (apply_delay=1)
+WINDOW_BETAS = {"adaptive-window", "adaptive-window-delay1"}
 INTERVALS = (2, 4, 8, 16)
 DEFAULTS = {  # workload: (lr, steps, builder options)
     "minilm": (5e-5, 160, dict(seq_len=64, batch_size=8)),  # short articles: cheap steps
@@ -62,14 +63,16 @@ DEFAULTS = {  # workload: (lr, steps, builder options)
 def scale_for(rule: str, interval: int):
     return {"1": 1.0, "sqrt": math.sqrt(interval),
             "sqrt-cap": min(math.sqrt(interval), SQRT_SCALE_CAP), "n": "auto",
-            "adaptive": "adaptive", "adaptive-window": "adaptive"}[rule]
+            "adaptive": "adaptive", "adaptive-window": "adaptive",
+            "adaptive-window-delay1": "adaptive"}[rule]
 
 
 # study.py's optimizer that runs the shipped defaults (update_interval=4) with each rule.
 # At interval 4 "sqrt" and "sqrt-cap" are the same multiplier (2), so the same runs.
 CONVERGENCE_RULES = {"1": "zenflow-scale-1", "sqrt": "zenflow", "sqrt-cap": "zenflow",
                      "n": "zenflow-scale-n", "adaptive": "zenflow-adaptive",
-                     "adaptive-window": "zenflow-adaptive-dense-window"}
+                     "adaptive-window": "zenflow-adaptive-dense-window",
+                     "adaptive-window-delay1": "zenflow-adaptive-dense-window-delay1"}
 
 
 def real_model_gaps(conv_rows: list[dict]) -> dict[str, list[float]]:
@@ -119,6 +122,8 @@ def execute(cell: dict, steps: int, lr: float, options: dict) -> dict:
                   host_lr_scale=scale_for(cell["rule"], cell["interval"]))
         if cell["rule"] in WINDOW_BETAS:
             zf["host_betas"] = "window"
+        if cell["rule"].endswith("-delay1") and cell["interval"] > 1:
+            zf["apply_delay"] = 1
     out = run(job, zenflow=zf, lr=lr, steps=steps, eval_every=steps)
     # the dense set in force (train.run names the params): a file's runs say which they had
     dense = list(ZenFlowConfig().dense_params) if zf else None

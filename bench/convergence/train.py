@@ -62,6 +62,8 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-adaptive-dense-window": dict(host_lr_scale="adaptive", host_betas="window"),
     "zenflow-aggressive-adaptive-dense-window": dict(host_lr_scale="adaptive", **_AGGRESSIVE,
                                                      host_betas="window"),
+    "zenflow-adaptive-dense-window-delay1": dict(host_lr_scale="adaptive", host_betas="window",
+                                                 apply_delay=1),
     "zenflow-aggressive-adaptive-dense-window-delay1": dict(
         host_lr_scale="adaptive", **_AGGRESSIVE, host_betas="window", apply_delay=1),
     # ZenFlow's warm-up (synchronous AdamW, every column on the host) over the learning
