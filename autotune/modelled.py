@@ -46,7 +46,7 @@ from . import stepmodel as M
 from . import study as S
 from .detect import versions
 from .names import slug
-from .space import apply_delay_for, delay_steps
+from .space import apply_delay_for, betas_values, delay_steps
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
                         quality_limit, set_quality_constraint, train_and_measure)
 
@@ -105,11 +105,19 @@ class QualityGrid:
     default schedule). Ignored without overlap."""
     lean: bool = False
     """Also each point's :data:`LEAN_POINT` variant (after all the plain points)."""
+    host_betas: tuple[str, ...] | None = None
+    """``ZenFlowConfig.host_betas`` values: a point per value at each update interval above
+    1 (at 1 they are the same computation: the first value only); None = the library's."""
 
     def __post_init__(self) -> None:
         if not self.topk_ratios or not self.update_intervals:
             raise ModelledError("a quality grid needs at least one topk_ratio and one "
                                 "update_interval")
+        if self.host_betas is not None:
+            try:
+                object.__setattr__(self, "host_betas", betas_values(self.host_betas))
+            except ValueError as e:
+                raise ModelledError(str(e)) from None
         if not self.apply_delays or not all(0 < f <= 1 for f in self.apply_delays):
             raise ModelledError("apply delays are fractions of the update interval in (0, 1], "
                                 f"got {self.apply_delays!r}")
@@ -129,20 +137,22 @@ class QualityGrid:
         windows = self.select_windows or DEFAULT_SELECT_INTERVAL_WINDOWS
         lr_scale = (ZenFlowConfig().host_lr_scale if self.host_lr_scale is None
                     else self.host_lr_scale)
+        betas = self.host_betas or (ZenFlowConfig().host_betas,)
         out = []
         for ui in self.update_intervals:
-            for delay in self.delays(int(ui)):
-                for k in self.topk_ratios:
-                    try:
-                        cfg = ZenFlowConfig(topk_ratio=float(k), update_interval=int(ui),
-                                            select_interval=windows * int(ui),
-                                            host_lr_scale=lr_scale, overlap=self.overlap,
-                                            apply_delay=delay)
-                    except ConfigError as e:
-                        raise ModelledError(f"quality grid point topk_ratio={k}, "
-                                            f"update_interval={ui}, apply_delay={delay}: "
-                                            f"{e}") from None
-                    out.append({key: getattr(cfg, key) for key in QUALITY_KEYS})
+            for hb in (betas if int(ui) > 1 else betas[:1]):
+                for delay in self.delays(int(ui)):
+                    for k in self.topk_ratios:
+                        try:
+                            cfg = ZenFlowConfig(topk_ratio=float(k), update_interval=int(ui),
+                                                select_interval=windows * int(ui),
+                                                host_lr_scale=lr_scale, overlap=self.overlap,
+                                                apply_delay=delay, host_betas=hb)
+                        except ConfigError as e:
+                            raise ModelledError(f"quality grid point topk_ratio={k}, "
+                                                f"update_interval={ui}, apply_delay={delay}: "
+                                                f"{e}") from None
+                        out.append({key: getattr(cfg, key) for key in QUALITY_KEYS})
         if self.lean:
             out += [dict(p, **LEAN_POINT) for p in out]
         return out
@@ -655,6 +665,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
             "topk_ratios": sorted({r.point.settings["topk_ratio"] for r in out.rows}),
             "update_intervals": sorted({r.point.settings["update_interval"] for r in out.rows}),
             "apply_delays": sorted({delay_steps(r.point.settings) for r in out.rows}),
+            "host_betas": sorted({r.point.settings.get("host_betas", "step") for r in out.rows}),
             "points": len(out.rows),
             "feasible": sum(r.point.feasible for r in out.rows),
             "fit": sum(r.fits for r in out.rows),
@@ -689,9 +700,11 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
     """The final table of a modelled run (like the measured run's)."""
     store, wl = out.store, out.workload
     zo_t = out.zero_offload.modelled_step_time_s
+    # a betas column where the grid searched host_betas
+    betas = any(r.point.settings.get("host_betas", "step") != "step" for r in out.rows)
     head = (f"{'rank':>4} {'tokens/s':>10} {'vs zero-off':>11} {'step s':>7} {'stall':>6} "
             f"{'loss':>7} {'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5} {'delay':>5} "
-            f"{'device side':<14}")
+            + (f"{'betas':<6} " if betas else "") + f"{'device side':<14}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(out.eligible[:top], 1):
         s = r.point.settings
@@ -700,7 +713,8 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
             f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
             f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
             f"{s['update_interval']:>4} {s['select_interval']:>5} {delay_steps(s):>5} "
-            f"{device_side(r.settings):<14}")
+            + (f"{s.get('host_betas', 'step'):<6} " if betas else "")
+            + f"{device_side(r.settings):<14}")
     if not out.eligible:
         lines.append("  (no feasible grid point fits)")
     ref = store.reference

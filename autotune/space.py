@@ -24,6 +24,8 @@ with ``search_host_lr=False`` the library default.
   ``overlap`` is on and ``update_interval > 1``: ``apply_delay =``
   :func:`apply_delay_for` ``(share, update_interval)`` (a share of 1.0 is the default
   schedule, each result at the next boundary).
+* ``host_betas`` categorical over ``host_betas``, only when that has more than one value
+  and ``update_interval > 1`` (at 1 every value is the same computation).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from zenflow_triton.host.step_size import fixed_multiplier
 
 from .detect import usable_cpus
 
-__all__ = ["SearchSpace", "HOST_LR_RULES", "apply_delay_for", "delay_steps"]
+__all__ = ["SearchSpace", "HOST_LR_RULES", "apply_delay_for", "betas_values", "delay_steps"]
 
 HOST_LR_RULES = ("adaptive", "power")
 
@@ -50,6 +52,21 @@ def apply_delay_for(share: float, update_interval: int) -> int | None:
         raise ValueError(f"an apply delay share is in (0, 1], got {share!r}")
     d = max(1, min(update_interval, round(share * update_interval)))
     return None if d == update_interval else d
+
+
+def betas_values(values) -> tuple[str, ...]:
+    """Distinct ``ZenFlowConfig.host_betas`` values to search, in the order given
+    (ValueError naming the allowed ones for anything else, or none)."""
+    from zenflow_triton.config import HostBetas
+    from typing import get_args
+
+    allowed = get_args(HostBetas)
+    vals = tuple(dict.fromkeys(values))
+    bad = [v for v in vals if v not in allowed]
+    if not vals or bad:
+        raise ValueError(f"host_betas values to search are {list(allowed)}, got "
+                         f"{list(values)!r}")
+    return vals
 
 
 def delay_steps(settings: dict[str, Any]) -> int:
@@ -77,6 +94,9 @@ class SearchSpace:
     """``apply_delay`` shares of the update interval to search (see :func:`apply_delay_for`);
     the default, ``(1.0,)``, searches nothing: every trial keeps the default schedule.
     Ignored without ``overlap``."""
+    host_betas: tuple[str, ...] | None = None
+    """``ZenFlowConfig.host_betas`` values to search ("step", "window"); None = the
+    library's default for every trial."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk_min <= self.topk_max <= 1.0:
@@ -98,6 +118,12 @@ class SearchSpace:
         if len(set(shares)) != len(shares):
             raise ValueError(f"apply_delays has repeats: {self.apply_delays!r}")
         object.__setattr__(self, "apply_delays", tuple(float(f) for f in shares))
+        if self.host_betas is not None:
+            object.__setattr__(self, "host_betas", betas_values(self.host_betas))
+
+    @property
+    def searches_host_betas(self) -> bool:
+        return self.host_betas is not None and len(self.host_betas) > 1
 
     @property
     def searches_apply_delay(self) -> bool:
@@ -129,6 +155,10 @@ class SearchSpace:
         if self.searches_apply_delay and ui > 1:
             share = trial.suggest_categorical("apply_delay_share", self.apply_delays)
             extra["apply_delay"] = apply_delay_for(share, ui)
+        if self.searches_host_betas and ui > 1:
+            extra["host_betas"] = trial.suggest_categorical("host_betas", self.host_betas)
+        elif self.host_betas is not None:
+            extra["host_betas"] = self.host_betas[0]
         return self.settings_from(topk_ratio=topk, update_interval=ui,
                                   select_interval=windows * ui, chunk_size=2 ** chunk_log2,
                                   host_threads=threads, host_lr_scale=host_lr_scale, **extra)
@@ -166,6 +196,10 @@ class SearchSpace:
         if self.searches_apply_delay and ui > 1:
             # the default schedule (share 1.0); a space without it: its longest delay
             p["apply_delay_share"] = max(self.apply_delays)
+        if self.searches_host_betas and ui > 1:
+            # the library's default where searched, else the first value given
+            p["host_betas"] = d.host_betas if d.host_betas in self.host_betas \
+                else self.host_betas[0]
         return p
 
     def to_dict(self) -> dict[str, Any]:

@@ -691,3 +691,39 @@ def test_an_unsteady_reference_is_warned_about_with_its_two_halves():
     assert first > 1.25 * second
     text = guard_summary(busy, ts.loss_margin)
     assert "warning: the AdamW reference's throughput changed" in text and "--skip-steps" in text
+
+
+def test_space_searches_host_betas_only_when_asked():
+    plain = SearchSpace(max_host_threads=1)
+    searching = SearchSpace(max_host_threads=1, host_betas=("step", "window"))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=5))
+    seen = set()
+    for _ in range(60):
+        trial = study.ask()
+        s = plain.suggest(trial)
+        assert "host_betas" not in s and "host_betas" not in trial.params
+        study.tell(trial, 0.0)
+        trial = study.ask()
+        s = searching.suggest(trial)
+        cfg = ZenFlowConfig(**s)
+        if cfg.update_interval == 1:  # every value is the same computation: nothing to ask
+            assert "host_betas" not in trial.params and cfg.host_betas == "step"
+        else:
+            assert cfg.host_betas == trial.params["host_betas"]
+            seen.add(cfg.host_betas)
+        study.tell(trial, 0.0)
+    assert seen == {"step", "window"}
+    # the first trial is the library's defaults
+    study = optuna.create_study()
+    study.enqueue_trial(searching.defaults_params())
+    assert searching.suggest(study.ask())["host_betas"] == ZenFlowConfig().host_betas
+    # one value: every trial has it, nothing is asked
+    only = SearchSpace(max_host_threads=1, host_betas=("window",))
+    trial = optuna.create_study().ask()
+    assert only.suggest(trial)["host_betas"] == "window" and "host_betas" not in trial.params
+
+
+@pytest.mark.parametrize("values", [(), ("steps",), ("step", "adam")])
+def test_space_rejects_unknown_host_betas(values):
+    with pytest.raises(ValueError, match=r"host_betas values to search are \['step', 'window'\]"):
+        SearchSpace(host_betas=values)

@@ -310,6 +310,10 @@ M = ["run", "--objective", "modelled"]
     (["run", "--delay-grid", "0.5,1.5"],
      "--delay-grid: shares of the update interval are in (0, 1], got 1.5"),
     (["run", "--delay-grid", "half"], "--delay-grid: expected comma-separated numbers"),
+    (["run", "--betas-grid", "step,windows"],
+     "--betas-grid: host_betas values to search are ['step', 'window'], got"),
+    (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--betas-grid", "adam"],
+     "host_betas values to search are ['step', 'window']"),
     (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--save-as", "Bad/Name"],
      "invalid profile name"),
     (M + ["--profile", "a100-pcie4", "--model", "llama2-7b", "--mfu", "2"], "--mfu"),
@@ -445,3 +449,19 @@ def test_point_keys_name_window_betas_and_keep_the_old_form_without():
     window = dict(plain, host_betas="window")
     assert json.loads(MD.point_key(window))["host_betas"] == "window"
     assert MD.point_key(window) != MD.point_key(plain)
+
+
+def test_a_betas_grid_adds_window_points_above_interval_one(dirs, fake):
+    grid = MD.QualityGrid(topk_ratios=(0.1,), update_intervals=(1, 4),
+                          apply_delays=(1.0, 0.25), host_betas=("step", "window"))
+    pts = [(p["update_interval"], p["host_betas"], p["apply_delay"]) for p in grid.points()]
+    assert pts == [(1, "step", None), (4, "step", None), (4, "step", 1), (4, "window", None),
+                   (4, "window", 1)]
+    assert len({MD.point_key(p) for p in grid.points()}) == len(pts)
+    with pytest.raises(MD.ModelledError, match="host_betas values to search"):
+        MD.QualityGrid(host_betas=("none",))
+    # each point trains with its own betas, and the table and provenance say which
+    out = _run(f"sqlite:///{dirs / 'q.db'}", grid=grid)
+    assert [c.get("host_betas", "step") for c in fake["train"]] == [p[1] for p in pts]
+    assert "betas" in MD.format_modelled_table(out, top=len(pts))
+    assert MD.modelled_provenance(out)["grid"]["host_betas"] == ["step", "window"]

@@ -146,6 +146,11 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
                         "update interval in (0, 1], e.g. 1,0.5,0.25 (default 1: each result "
                         "at the next boundary); modelled: points of the quality grid, "
                         "measured: a categorical parameter of the search space")
+    r.add_argument("--betas-grid", dest="betas_grid",
+                   help="comma-separated host_betas values to search: step (the default), "
+                        "window (the host moments decayed by beta**n per window of n "
+                        "gradients), e.g. step,window; modelled: points of the quality grid "
+                        "at update intervals above 1, measured: a categorical parameter")
 
 
 def _add_inspect_parsers(sub: Any) -> None:

@@ -20,7 +20,7 @@ from ..defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
 from ..detect import detect, hardware_slug
 from ..names import code_key, slug
 from ..objective import TuneSettings, guard_summary
-from ..space import SearchSpace
+from ..space import SearchSpace, betas_values
 from .. import stepmodel as M
 from ..stepmodel import DEFAULT_TOKENS, PRESETS
 from . import (EXIT_OK, EXIT_RUNTIME, FULL, QUICK, UsageError, float_list, heartbeat_options,
@@ -132,10 +132,21 @@ def _measured_settings(args: argparse.Namespace, mode: dict, device: str):
                           loss_margin=given.get("loss_margin", DEFAULT_LOSS_MARGIN),
                           device=device)
         space = SearchSpace(max_host_threads=args.max_host_threads,
-                            apply_delays=_delay_shares(args.delay_grid))
+                            apply_delays=_delay_shares(args.delay_grid),
+                            host_betas=_betas(args.betas_grid))
     except ValueError as e:
         raise UsageError(str(e))
     return wl_name, factory, ts, space, explicit
+
+
+def _betas(text: str | None) -> tuple[str, ...] | None:
+    """``--betas-grid``: the host_betas values to search (None: the library's)."""
+    if not text:
+        return None
+    try:
+        return betas_values([v.strip() for v in text.split(",") if v.strip()])
+    except ValueError as e:
+        raise ValueError(f"--betas-grid: {e}") from None
 
 
 def _delay_shares(text: str | None) -> tuple[float, ...]:
@@ -298,6 +309,8 @@ def _quality_settings(args: argparse.Namespace) -> tuple[TuneSettings, MD.Qualit
             grid_kw["update_intervals"] = tuple(int(v) for v in ints)
         if args.delay_grid:
             grid_kw["apply_delays"] = float_list(args.delay_grid, "--delay-grid", UsageError)
+        if args.betas_grid:
+            grid_kw["host_betas"] = _betas(args.betas_grid)
         grid = MD.QualityGrid(**grid_kw)
         grid.points()
     except (ValueError, MD.ModelledError) as e:
