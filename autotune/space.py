@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, get_args
 
 from zenflow_triton import ZenFlowConfig
+from zenflow_triton.config import HostBetas
 from zenflow_triton.host.step_size import fixed_multiplier
 
 from .detect import usable_cpus
@@ -57,9 +58,6 @@ def apply_delay_for(share: float, update_interval: int) -> int | None:
 def betas_values(values) -> tuple[str, ...]:
     """Distinct ``ZenFlowConfig.host_betas`` values to search, in the order given
     (ValueError naming the allowed ones for anything else, or none)."""
-    from zenflow_triton.config import HostBetas
-    from typing import get_args
-
     allowed = get_args(HostBetas)
     vals = tuple(dict.fromkeys(values))
     bad = [v for v in vals if v not in allowed]
