@@ -316,7 +316,7 @@ def _reference_call(lists, steps: Sequence, h: HostHyper) -> None:
         if h.grad_divisor != 1.0:
             g.div_(h.grad_divisor)
         adamw_(p, g, m, v, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-               weight_decay=h.weight_decay, step=float(s) if isinstance(s, torch.Tensor) else s)
+               weight_decay=h.weight_decay, step=float(s))
 
 
 # ---------------------------------------------------------------------------- HostAdamW
