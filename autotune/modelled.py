@@ -326,7 +326,8 @@ class _GridProgress:
         s = json.loads(tr.user_attrs["grid_key"])
         head = (f"quality point topk_ratio={s['topk_ratio']:g} "
                 f"update_interval={s['update_interval']}"
-                + (f" apply_delay={s['apply_delay']}" if s.get("apply_delay") else "") + ": ")
+                + ("".join(f" {k}={s[k]}" for k in KEY_LEFT_OUT if k in s))
+                + (" dense_params=()" if s.get("dense_params") == [] else "") + ": ")
         if tr.state == TrialState.COMPLETE:
             loss = tr.user_attrs.get("heldout_loss")
             verdict = "feasible" if tr.user_attrs.get("feasible") else (

@@ -460,8 +460,14 @@ def test_a_betas_grid_adds_window_points_above_interval_one(dirs, fake):
     assert len({MD.point_key(p) for p in grid.points()}) == len(pts)
     with pytest.raises(MD.ModelledError, match="host_betas values to search"):
         MD.QualityGrid(host_betas=("none",))
-    # each point trains with its own betas, and the table and provenance say which
-    out = _run(f"sqlite:///{dirs / 'q.db'}", grid=grid)
+    # each point trains with its own betas, and the progress lines, the table and the
+    # provenance say which
+    lines = []
+    out = _run(f"sqlite:///{dirs / 'q.db'}", grid=grid, log=lines.append)
+    progress = [ln.split(":")[0] for ln in lines if ln.startswith("quality point")]
+    assert len(progress) == len(set(progress)) == len(pts), progress
+    assert "quality point topk_ratio=0.1 update_interval=4 apply_delay=1 host_betas=window" \
+        in progress
     assert [c.get("host_betas", "step") for c in fake["train"]] == [p[1] for p in pts]
     assert "betas" in MD.format_modelled_table(out, top=len(pts))
     assert MD.modelled_provenance(out)["grid"]["host_betas"] == ["step", "window"]
