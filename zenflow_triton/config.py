@@ -88,6 +88,21 @@ class ZenFlowConfig:
     """Where the gradient of host-owned columns is summed over a window: "device" (one
     transfer per window) or "host" (one transfer per step, less device memory)."""
 
+    stream_grads: bool = False
+    """True: each matrix param's gradient leaves the device as backward makes it (a
+    post-accumulate-grad hook per param, in place from construction): its host-owned columns
+    go to the host, its device-owned columns to a small device buffer, and ``.grad`` is freed
+    at once, so no full gradient of the model is ever resident on the device (about one
+    matrix's at a time; ``stats()["grad_bytes_peak"]``). Implies accumulate_on="host".
+    ``.grad`` of a matrix param then reads None after backward: clip with ``max_grad_norm``,
+    not ``clip_grad_norm_`` (docs/design.md, "Gradient streaming"). Not under DDP or FSDP2."""
+
+    max_grad_norm: float | None = None
+    """Clip by the global norm in step() (> 0; None: no clipping): every gradient the step
+    takes, device- and host-owned columns and small params alike, is scaled by
+    ``min(1, max_grad_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does. The
+    way to clip under ``stream_grads``, where a framework's own clipping sees no gradients."""
+
     host_state_dtype: StateDtype = "float32"
     """Dtype of the host moments m and v: "float32", or "bfloat16" (2 B less per moment per
     host-owned element; each host step rounds them to nearest once). The host master is
@@ -183,6 +198,13 @@ class ZenFlowConfig:
                               f"(fnmatch, e.g. ('*embed*', '*lm_head*')), got {dense!r}")
         object.__setattr__(self, "dense_params", tuple(dense))  # lists from JSON
         _check_choice("accumulate_on", self.accumulate_on, AccumulateOn)
+        if not isinstance(self.stream_grads, bool):
+            raise ConfigError(f"stream_grads must be True or False, got {self.stream_grads!r}")
+        if self.stream_grads:  # the host columns leave during backward: summed on the host
+            object.__setattr__(self, "accumulate_on", "host")
+        if self.max_grad_norm is not None:
+            _check_number("max_grad_norm", self.max_grad_norm, float, lo=0.0, lo_open=True,
+                          rng="> 0 or None")
         _check_choice("check_finite_at", self.check_finite_at, FiniteCheckAt)
         if self.check_finite_at == "boundary" and self.accumulate_on != "device":
             raise ConfigError('check_finite_at="boundary" needs accumulate_on="device": a host '

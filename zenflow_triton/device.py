@@ -14,6 +14,7 @@ from .config import ZenFlowConfig
 from .kernels import KernelOps
 from .state import SMALL, new_accumulator
 from .columns.layout import view2d
+from .host.window import OnHost
 
 
 class DeviceHalf:
@@ -28,13 +29,17 @@ class DeviceHalf:
         self._empty: dict[tuple, tuple] = {}
 
     def run(self, work, state: dict, single_step_window: bool,
-            skip_of: Callable[[torch.device], torch.Tensor | None] = lambda device: None):
+            skip_of: Callable[[torch.device], torch.Tensor | None] = lambda device: None,
+            streamed: dict | None = None):
         """One step's device half for ``work`` ((group, param, grad) triples). Returns
         ``(direct, to_host)``: the host columns of params whose window is this one step
         (``single_step_window``; handed to the host as they are, no accumulator), and the
         ``(host accumulator, columns)`` pairs to add on the host (accumulate_on="host").
         ``skip_of(device)``: the device flag that, when set, makes the ops on that device
-        write nothing (a deferred NaN/inf check), or None."""
+        write nothing (a deferred NaN/inf check), or None. ``streamed``: param -> its
+        gradient as gradient streaming split it (``stream.Split``: the device-owned columns
+        on the device, the host-owned ones already in host memory); ``work`` then holds
+        its device part."""
         direct: dict[torch.Tensor, torch.Tensor] = {}
         to_host: list[tuple[torch.Tensor, torch.Tensor]] = []
         by_group: dict[tuple, tuple[dict, list, list]] = {}
@@ -44,6 +49,9 @@ class DeviceHalf:
             if st["kind"] == SMALL:
                 st["step"] += 1
                 small.append((p, g, st))
+            elif streamed and p in streamed:
+                matrices += self._streamed(p, streamed[p], st, single_step_window, direct,
+                                           to_host)
             else:
                 matrices += self._entries(p, g, st, single_step_window, direct, to_host)
         for (_, device), (group, small, matrices) in by_group.items():
@@ -100,6 +108,27 @@ class DeviceHalf:
             entries.append((p2d[r0:r1], g2d[r0:r1], *self._no_columns(p, r1 - r0), 1, acc,
                             host_idx))
         return entries
+
+    def _streamed(self, p, split, st: dict, single_step_window: bool, direct: dict,
+                  to_host: list) -> list[tuple]:
+        """A streamed matrix param's entry (AdamW of its device columns from their compact
+        gradient); its host columns, in host memory already, go to ``direct`` (a one-step
+        window) or to ``to_host`` (added into the host accumulator by the host worker)."""
+        if st["host_idx"].numel():
+            if single_step_window and st["acc_count"] == 0:
+                direct[p] = OnHost(split.host.tensor)
+            else:
+                if st["acc"] is None:
+                    st["acc"] = new_accumulator(st["host_master"].shape[0],
+                                                st["host_idx"].numel(), p.device, "host",
+                                                self.config.accumulator_torch_dtype)
+                to_host.append((st["acc"], split.host))
+            st["acc_count"] += 1
+        if not st["device_idx"].numel():
+            return []
+        st["device_step"] += 1
+        return [(view2d(p.detach()), split.dev, st["device_idx"], st["device_m"],
+                 st["device_v"], st.get("device_master"), st["device_step"], None, None)]
 
     def _no_columns(self, p: torch.Tensor, rows: int) -> tuple:
         """(index, m, v, master) of no device-owned columns for ``rows`` rows of ``p``: the

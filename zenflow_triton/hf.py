@@ -79,7 +79,9 @@ def trainer_kwargs(model, args=None, *, profile: str | None = None,
     (weight decay on every param but biases and norm weights, then those without), with the
     hyperparameters of ``args`` (``TrainingArguments``: learning_rate, weight_decay, adam
     betas and epsilon) and a profile's settings (``profile``) or ZenFlow settings given as
-    keywords (which win); and :class:`ZenFlowCallback`. The Trainer makes the lr schedule."""
+    keywords (which win); and :class:`ZenFlowCallback`. The Trainer makes the lr schedule.
+    With ``stream_grads=True`` the Trainer's gradient clipping moves into the optimizer
+    (``max_grad_norm``; ``args.max_grad_norm`` set to 0, with a warning)."""
     from transformers import Trainer
 
     hyper = {}
@@ -88,6 +90,15 @@ def trainer_kwargs(model, args=None, *, profile: str | None = None,
                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     hyper.update({k: zenflow.pop(k) for k in ("lr", "weight_decay", "betas", "eps")
                   if k in zenflow})
+    if zenflow.get("stream_grads") and args is not None and args.max_grad_norm:
+        # The Trainer's clip_grad_norm_ would see only the small params' .grad (the matrices'
+        # left during backward): the optimizer clips by the global norm instead.
+        zenflow.setdefault("max_grad_norm", float(args.max_grad_norm))
+        warnings.warn(f"trainer_kwargs: stream_grads moves max_grad_norm="
+                      f"{args.max_grad_norm} from the Trainer into the optimizer (set "
+                      "args.max_grad_norm = 0), which clips every gradient by the global norm",
+                      UserWarning, stacklevel=2)
+        args.max_grad_norm = 0.0
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     wd = hyper.pop("weight_decay", 0.0)

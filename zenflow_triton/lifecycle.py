@@ -52,6 +52,9 @@ class HostThreads:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        stream = getattr(self, "_stream", None)
+        if stream is not None:  # gradients stay in .grad from now on
+            stream.remove()
         try:
             self._pipeline.wait()
         except Exception:  # closing must not raise for a job that already failed

@@ -37,6 +37,7 @@ from .params import ParamIndex
 from .schedule import StepPlan, plan_step
 from .state import needs_setup, prepared, unselected
 from .stats import optimizer_stats
+from .stream import GradStream, check_streamable
 from .transfer import Link
 
 
@@ -79,11 +80,16 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         self.ops: KernelOps = get_ops(self._backend)
         self.link = Link()
         self._shard = RowShard.for_params(self._params(), process_group, cfg.host_timeout)
+        check_streamable(cfg, self._shard)
         # The host half's buffers, jobs and waits (staging, outboxes, the job in flight).
         self._pipeline = HostPipeline.for_config(self.link, cfg)
         self._worker, self._host_adamw = self._pipeline.worker, self._pipeline.adamw
         self._dev = DeviceHalf(self.ops, self.link, self._shard, cfg)
         self._split = ColumnSplit(self.ops, self.link, cfg, self._shard, self._dev)
+        # Gradient streaming's hooks (stream_grads), clipping (max_grad_norm), live grad bytes
+        self._stream = GradStream(cfg, self.ops, self.link, self._pipeline, self._dev,
+                                  self.state, lambda: self._global_step + 1, self._param_name)
+        self._stream.install(self._params(), self._kind)
         self._guard = StepGuard(self._pipeline)  # the failed state; all-or-nothing steps
         self._training = True
         self._global_step = 0
@@ -118,6 +124,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                 self.param_groups.pop()  # nothing of the refused group stays
                 raise
             self._states = LocalState(self.state, self._params())
+            self._stream.install(self.param_groups[-1]["params"], self._kind)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -153,7 +160,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                 loss = closure()
         work = self._work()
         plan = plan_step(self._global_step + 1, self.config)
-        moves, defer = self._check(work, plan)
+        moves, defer = self._stream.checked(lambda: self._check(work, plan))
+        self._stream.clip(work)
         self._prepare_state(work)
         self._guard.before(self._wait_before_step, self._shard.collective, self._global_step)
         if defer:  # a masked step's host-side counters come back if it was bad
@@ -163,14 +171,16 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         with self._guard.whole_step(lambda: self._global_step):
             self._global_step += 1
             self._select(work, plan, moves)
-            direct = self._device_half(work, plan.single_step_window)
+            work, streamed = self._stream.resolve(work)  # cut by the selection in force
+            direct = self._device_half(work, plan.single_step_window, streamed)
             self._host_half(plan, direct)
         return loss
 
     def _work(self) -> Work:
         """Every gradient of the step, validated (FSDP2: this rank's rows), with the
         hyperparameters a scheduler may have written checked and the host worker alive."""
-        work = collect(self.param_groups, self._param_name)
+        work = self._stream.work(self.param_groups, collect(self.param_groups,
+                                                            self._param_name))
         if self._fsdp:  # FSDP2 may have replaced a param's local tensor
             self._states = LocalState(self.state, self._params())
         work = localize(work, self._param_name)
@@ -190,7 +200,8 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         moves = None
         if plan.reselect and not setup:
             moves = self._split.plan(work, self._states, self._finite,
-                                    self._global_step + 1 if cfg.check_finite else None)
+                                    self._global_step + 1 if cfg.check_finite else None,
+                                    self._stream.scores())
         elif cfg.check_finite and not defer:
             self._finite.check(work, self._global_step + 1)
         return moves, defer
@@ -201,12 +212,13 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         if plan.reselect:
             self._drain()
             self._counters["selection_refreshes"] += 1
-            self._migrate(moves if moves is not None
-                          else self._split.plan(work, self._states))
+            self._migrate(moves if moves is not None else self._split.plan(
+                work, self._states, scores=self._stream.scores()))
         elif not plan.warmup:
             fresh = unselected(work, self._states)
             if fresh:
-                self._migrate(self._split.plan(fresh, self._states))
+                self._migrate(self._split.plan(fresh, self._states,
+                                               scores=self._stream.scores()))
 
     def _host_half(self, plan: StepPlan, direct: dict) -> None:
         """The host side of the plan: the apply due before a launch, the launch of the window
@@ -244,8 +256,6 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups if groups is None else groups):
             check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"], where=f"{what} {gi}")
 
-
-
     def _prepare_state(self, work: Work) -> None:
         """Every param of the step with its state made or put back where it belongs."""
         for _, p, _ in work:
@@ -259,14 +269,14 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
     def _migrate(self, moves: list) -> None:
         self._counters["columns_migrated"] += self._split.migrate(moves)
 
-    def _device_half(self, work: Work, single_step_window: bool) -> dict:
+    def _device_half(self, work: Work, single_step_window: bool, streamed: dict) -> dict:
         """Every step: AdamW on the device-owned columns and on the small params, and the
         gradient of the host-owned columns into the window accumulator (``DeviceHalf``).
         Returns the host columns of params whose one-step window hands its gradient to the
         host as it is (``single_step_window``: warm-up, update_interval=1)."""
         self._pipeline.wait_copy_in()  # the accumulators are on loan to the job until copied
         direct, to_host = self._dev.run(work, self._states, single_step_window,
-                                        self._finite.skip_of)
+                                        self._finite.skip_of, streamed)
         if to_host:  # the host worker adds them; this thread only queues the copies
             self._pipeline.accumulate(to_host, f"step {self._global_step}")
         return direct
@@ -311,6 +321,11 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         finally:
             self._stop()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; with ``stream_grads`` it also drops the gradients the hooks streamed."""
+        super().zero_grad(set_to_none)
+        self._stream.discard()
+
     def train(self) -> "ZenFlowOptimizer":
         self._training = True
         return self
@@ -336,6 +351,7 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
         if getattr(self, "_detached", False):
             self._check_open()
         return optimizer_stats(steps=self._global_step, backend=self._backend,
+                               streaming=self._stream.stats(),
                                shard=self._shard, link=self.link, pipeline=self._pipeline,
                                params=self._params(), state=self.state, kind_of=self._kind,
                                config=self.config, device_indices=self._dev.index_tensors(),

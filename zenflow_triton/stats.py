@@ -71,7 +71,7 @@ def memory_bytes(state: dict, config: ZenFlowConfig, device_indices: Iterable[to
 def optimizer_stats(*, steps: int, backend: str, shard, link, pipeline, params: list,
                     state: dict, kind_of: Callable[[torch.Tensor], str],
                     config: ZenFlowConfig, device_indices: Iterable[torch.Tensor],
-                    counters: dict[str, int]) -> dict[str, Any]:
+                    counters: dict[str, int], streaming: dict[str, Any]) -> dict[str, Any]:
     """``ZenFlowOptimizer.stats()``: counters, link bytes each way, the device-owned share of
     elements, the bytes held on each side, host staging, and host wait/busy seconds. Reads;
     changes nothing."""
@@ -86,4 +86,4 @@ def optimizer_stats(*, steps: int, backend: str, shard, link, pipeline, params: 
                 host_lr_multiplier_mean=(sum(multipliers) / len(multipliers)
                                          if multipliers else None),
                 **counters, host_wait_seconds=pipeline.wait_seconds,
-                host_busy_seconds=pipeline.busy_seconds)
+                host_busy_seconds=pipeline.busy_seconds, **streaming)

@@ -54,14 +54,28 @@ WORKLOADS = {  # name: (lr, steps, eval_every, builder options[, run options])
 GOALS = {"loss": 0.015, "accuracy": 0.015}  # the shipped defaults vs AdamW, mean of seeds
 
 
+def _lr(row: dict) -> float:
+    """A row's learning rate (rows written before ``--lr`` existed ran at their workload's)."""
+    return float(row.get("lr") or WORKLOADS[row["workload"]][0])
+
+
+def _groups(rows: list[dict]) -> list[tuple[str, float]]:
+    """(workload, lr) pairs with runs, in WORKLOADS order, each workload's own lr first."""
+    out = []
+    for wl in WORKLOADS:
+        lrs = sorted({_lr(r) for r in rows if r["workload"] == wl},
+                     key=lambda x: (x != WORKLOADS[wl][0], x))
+        out += [(wl, lr) for lr in lrs]
+    return out
+
+
 def report(rows: list[dict]) -> str:
     lines = ["| workload | optimizer | held-out loss (mean of seeds) | minus AdamW (same seeds) | "
              "accuracy | minus AdamW | diverged | host updates | wall s per run |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for wl in WORKLOADS:
-        rs = [r for r in rows if r["workload"] == wl]
-        if not rs:
-            continue
+    for wl, lr in _groups(rows):
+        rs = [r for r in rows if r["workload"] == wl and _lr(r) == lr]
+        label = wl if lr == WORKLOADS[wl][0] else f"{wl} @ lr {lr:g}"
         ref = {r["seed"]: r["final"] for r in rs if r["optimizer"] == "adamw"}
         for name in OPTIMIZERS:
             mine = [r for r in rs if r["optimizer"] == name]
@@ -79,7 +93,7 @@ def report(rows: list[dict]) -> str:
             a = statistics.mean(acc) if has_acc else None
             hw = [r.get("host_windows") for r in mine if r.get("host_windows") is not None]
             lines.append(
-                f"| {wl} | {name} | {loss:.4f} ({', '.join(format(r['final']['loss'], '.4f') for r in mine)}) "
+                f"| {label} | {name} | {loss:.4f} ({', '.join(format(r['final']['loss'], '.4f') for r in mine)}) "
                 f"| {loss - ref_loss:+.4f} | {format(100 * a, '.1f') + '%' if has_acc else '-'} "
                 f"| {format(100 * (a - ref_acc), '+.1f') + ' pts' if has_acc else '-'} "
                 f"| {sum(bool(r['diverged']) for r in mine)}/{len(mine)} "
@@ -96,7 +110,7 @@ def plot(rows: list[dict], path: str, optimizers: list[str] | None = None) -> No
     import matplotlib.pyplot as plt
 
     names = list(optimizers) if optimizers else list(OPTIMIZERS)
-    rows = [r for r in rows if r["optimizer"] in names]
+    rows = [r for r in rows if r["optimizer"] in names and _lr(r) == WORKLOADS[r["workload"]][0]]
     present = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
     if not present:
         raise SystemExit("--plot: no run of the chosen optimizers to plot")
@@ -134,6 +148,9 @@ def main(argv=None) -> int:
                     choices=list(OPTIMIZERS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=None, help="override every workload's steps")
+    ap.add_argument("--lr", type=float, nargs="+", default=None,
+                    help="peak learning rates to run (default: each workload's own); rows are "
+                         "compared with AdamW's at the same lr and seed")
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's); 1 lets two studies share 2 cores")
@@ -152,9 +169,10 @@ def main(argv=None) -> int:
             rows = json.load(f)
     t0 = time.perf_counter()
     if not args.report:
-        done = {(r["workload"], r["optimizer"], r["seed"]) for r in rows}
-        for wl in args.workloads:
-            lr, steps, every, options, *more = WORKLOADS[wl]
+        done = {(r["workload"], r["optimizer"], r["seed"], _lr(r)) for r in rows}
+        for wl, lr in [(w, x) for w in args.workloads
+                       for x in (args.lr or [WORKLOADS[w][0]])]:
+            _, steps, every, options, *more = WORKLOADS[wl]
             steps = args.steps or steps
             every = args.eval_every or every
             # ZeRO-Offload mode equals AdamW by construction (tests/test_equivalence.py):
@@ -162,7 +180,7 @@ def main(argv=None) -> int:
             order = [(seed, name) for late in (False, True) for seed in args.seeds
                      for name in args.optimizers if (name == "zero-offload") == late]
             for seed, name in order:
-                if (wl, name, seed) in done:
+                if (wl, name, seed, lr) in done:
                     continue
                 out = run(BUILDERS[wl](seed, **options), zenflow=OPTIMIZERS[name], lr=lr,
                           steps=steps, eval_every=every, verbose=True,

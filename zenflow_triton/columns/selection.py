@@ -13,7 +13,7 @@ import torch
 from ..config import ZenFlowConfig
 from ..kernels import KernelOps
 from ..transfer import Link
-from .layout import view2d
+from .layout import shape2d, view2d
 
 def num_selected(cols: int, topk_ratio: float) -> int:
     """k = round(topk_ratio * cols); at least 1 when topk_ratio > 0, none at 0."""
@@ -43,12 +43,16 @@ class Move:
 
 def plan_selection(items, state: dict, ops: KernelOps, link: Link,
                    cfg: ZenFlowConfig, shard=None,
-                   also: dict[torch.device, torch.Tensor] | None = None):
+                   also: dict[torch.device, torch.Tensor] | None = None,
+                   scores: dict | None = None):
     """A :class:`Move` per ``(group, param, grad)`` of ``items``: the top ``k`` columns by
     this gradient's scores, scored and picked on each param's device, the picks brought to
     the host in one copy per device (a few host syncs whatever the number of params).
     ``shard``: where each rank holds some rows of the params (FSDP2), its column scores are
     summed over the ranks first (``RowShard.sum_rows``), so every rank picks alike.
+
+    ``scores``: param -> its column scores made already (gradient streaming adds them up
+    during backward; its entries of ``items`` carry no gradient), instead of scoring ``g``.
 
     ``also``: per device, a 1-D tensor that must come to the host too (the NaN/inf flags of
     the step): it rides in the same copy as that device's picks (its own copy on a device
@@ -58,19 +62,20 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
     moves = []
     ranked = []
     for group, p, g in items:
-        g2d = view2d(g, like=p)
-        cols = g2d.shape[1]
+        cols = shape2d(p)[1]
         k = num_selected(cols, cfg.topk_ratio)
         beta1, beta2 = group["betas"]
         if k in (0, cols):  # nothing to rank
             moves.append(Move(p, state[p], np.arange(k, dtype=np.int64), beta1, beta2))
             continue
-        ranked.append((p, g, k, beta1, beta2, ops.column_scores(g2d, cfg.score)))
-    scores = [r[-1] for r in ranked]
+        made = scores.get(p) if scores else None
+        ranked.append((p, k, beta1, beta2, made if made is not None
+                       else ops.column_scores(view2d(g, like=p), cfg.score)))
+    summed = [r[-1] for r in ranked]
     if shard is not None:
-        scores = shard.sum_rows(scores, "an all-reduce of the column scores")
-    for (p, g, k, beta1, beta2, _), s in zip(ranked, scores):
-        picks.setdefault(g.device, []).append((p, select_columns(s, k), beta1, beta2))
+        summed = shard.sum_rows(summed, "an all-reduce of the column scores")
+    for (p, k, beta1, beta2, _), s in zip(ranked, summed):
+        picks.setdefault(p.device, []).append((p, select_columns(s, k), beta1, beta2))
     riders = dict(also or {})
     brought = {}
     for device, device_picks in picks.items():

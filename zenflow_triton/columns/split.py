@@ -16,14 +16,16 @@ class ColumnSplit:
         self.ops, self.link, self.config, self.shard = ops, link, config, shard
         self.device_half = device_half
 
-    def plan(self, work, states, finite=None, check_step: int | None = None) -> list[Move]:
+    def plan(self, work, states, finite=None, check_step: int | None = None,
+             scores: dict | None = None) -> list[Move]:
         """The moves of the matrices of ``work`` ((group, param, grad) triples); with
         ``check_step``, ``finite`` (a ``guards.finite_check.FiniteWatch``) judges the step's
-        NaN/inf check from the same copy (NonFiniteGradientError before any change)."""
+        NaN/inf check from the same copy (NonFiniteGradientError before any change).
+        ``scores``: param -> column scores made already (gradient streaming)."""
         matrices = [w for w in work if states[w[1]]["kind"] == MATRIX]
         flags = {} if check_step is None else finite.flags(work)
         moves, reads = plan_selection(matrices, states, self.ops, self.link, self.config,
-                                      self.shard, also=flags)
+                                      self.shard, also=flags, scores=scores)
         if check_step is not None:
             finite.judge(work, check_step, reads)
         return moves

@@ -49,7 +49,7 @@ from .outbox import Outboxes
 from .step_size import resolve_adaptive
 from .worker import HostJob, HostWorker, HostWorkerError
 
-Source = Literal["direct", "device_acc", "host_acc"]
+Source = Literal["direct", "device_acc", "host_acc", "host_direct"]
 
 
 @dataclass
@@ -60,7 +60,10 @@ class Window:
     gradient columns on the device, ``grad``), ``"device_acc"`` (the fp32 device
     accumulator ``grad``, zeroed by the job once copied) or ``"host_acc"`` (the host
     accumulator ``grad``: the job reads it and zeroes it piece by piece; the next window's
-    host accumulation, queued on the same worker after the job, then adds into it again).
+    host accumulation, queued on the same worker after the job, then adds into it again) or
+    ``"host_direct"`` (a one-step window's gradient columns already in host memory, in the
+    grad's dtype: gradient streaming put them there; complete before any job queued after
+    the step's stream jobs runs).
     ``store_into``: the param's flat view, when the job writes the result into it itself.
     ``outbox``: the param, when the result reaches it through an outbox (another dtype, or
     a CUDA param): its dtype, device and the master's shape size the outbox."""
@@ -134,8 +137,15 @@ class HostPipeline:
         not block this thread. The columns must be this step's own copy (a gather), so the
         caller may overwrite the gradient once this returns."""
         groups: dict[tuple, list] = {}
+        streamed = [(acc, cols) for acc, cols in items if not isinstance(cols, torch.Tensor)]
+        if streamed:  # already on the host (gradient streaming): each adds itself, in order
+            def add_streamed(streamed=streamed) -> None:
+                for acc, part in streamed:
+                    part.add_into(acc)
+            self._adds.append(self._worker.submit(add_streamed, f"host accumulation of {label}"))
         for acc, cols in items:
-            groups.setdefault((cols.device, cols.dtype), []).append((acc, cols))
+            if isinstance(cols, torch.Tensor):
+                groups.setdefault((cols.device, cols.dtype), []).append((acc, cols))
         for members in groups.values():
             flat = torch.cat([cols.reshape(-1) for _, cols in members])
             host, wait = self.link.to_host_async(flat)
@@ -150,6 +160,18 @@ class HostPipeline:
                     off += n
 
             self._adds.append(self._worker.submit(add, f"host accumulation of {label}"))
+
+    def submit(self, fn, label: str):
+        """Run ``fn`` on the host worker, after every job queued before it (gradient
+        streaming's sums of micro-batches); its failure raises at the next :meth:`check`.
+        Returns the job (for :meth:`wait_job`)."""
+        job = self._worker.submit(fn, label)
+        self._adds.append(job)
+        return job
+
+    def wait_job(self, job) -> None:
+        """Wait (bounded) for a job of :meth:`submit`; its error raises here."""
+        self._held(lambda: self._worker.wait(job))
 
     def check(self) -> None:
         """Raise the error of a failed host accumulation; forget the finished ones."""
@@ -219,7 +241,12 @@ class HostPipeline:
         load = store = None
         hyper = w.hyper
         zero_after = None
-        if w.source == "host_acc":
+        if w.source == "host_direct":  # in host memory already, in the grad's dtype
+            if w.grad.dtype == torch.float32:
+                grad = w.grad.view(w.master.shape)
+            else:
+                grad, load = None, _staged_load(w.grad.reshape(-1))
+        elif w.source == "host_acc":
             # The worker runs jobs in order: this window's adds are done before the job
             # reads the accumulator, and the next window's run after the job zeroed it.
             if w.grad.dtype == torch.float32:
@@ -386,7 +413,7 @@ def _devices(windows: Sequence[Window]) -> set[torch.device]:
     for w in windows:
         if w.store_into is None and w.outbox is not None:
             devices.add(w.outbox.device)
-        if w.source != "host_acc":
+        if w.source not in ("host_acc", "host_direct"):
             devices.add(w.grad.device)
         if w.store_into is not None:
             devices.add(w.store_into.device)

@@ -5,6 +5,7 @@ step size, where the result goes); the result is applied later (``host.apply``).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,12 @@ from .step_size import SUMS, sample_sums, window_lr
 from ..columns.layout import view2d
 from ..dist.fsdp import is_dtensor, local
 from ..state import MATRIX
+
+
+class OnHost(NamedTuple):
+    """A one-step window's gradient columns already in host memory (gradient streaming),
+    where ``direct`` otherwise holds them on the device."""
+    grad: torch.Tensor
 
 
 def close_windows(param_groups: list[dict], state, config: ZenFlowConfig, shard, direct: dict,
@@ -41,7 +48,9 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
     step and marks the result pending. ``whole_rows``: the rows of the whole param when
     ``p`` is this rank's rows of it (FSDP2), else None."""
     count = st["acc_count"]
-    if p in direct:  # in the grad's dtype over the link, fp32 on the host
+    if isinstance(direct.get(p), OnHost):  # streamed during backward, in the grad's dtype
+        source, grad = "host_direct", direct[p].grad
+    elif p in direct:  # in the grad's dtype over the link, fp32 on the host
         source, grad = "direct", direct[p]
     elif config.accumulate_on == "device":  # the window sum, once a window
         source, grad = "device_acc", st["acc"]

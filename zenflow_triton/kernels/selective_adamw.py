@@ -151,10 +151,12 @@ def selective_adamw_scalars(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Ten
 def selective_adamw_ref(p2d: torch.Tensor, g2d: torch.Tensor, idx: torch.Tensor,
                         m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None, *,
                         lr: float, beta1: float, beta2: float, eps: float,
-                        weight_decay: float, step: int) -> None:
+                        weight_decay: float, step: int, compact: bool = False) -> None:
+    """``compact``: ``g2d`` is already the gradient of columns ``idx`` ([rows, k]: gradient
+    streaming keeps only those on the device), not the whole gradient."""
     if idx.numel() == 0:
         return
-    g = g2d.index_select(1, idx).float()
+    g = g2d.float() if compact else g2d.index_select(1, idx).float()
     w = master if master is not None else p2d.index_select(1, idx).float()
     adamw_(w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
            weight_decay=weight_decay, step=step)

@@ -10,6 +10,10 @@ Per param i (2-D views; see :func:`selective_adamw_accumulate_ref`, the contract
 * ``accs[i]`` fp32 [rows, n] with ``host_idxs[i]`` [n]: ``accs[i] += g[:, host_idxs[i]]``;
   skipped when ``accs[i]`` is None or n = 0.
 
+``g2ds[i]`` is the whole gradient [rows, cols], or only its device-owned columns [rows, k]
+(*compact*: gradient streaming keeps no more on the device; then nothing is accumulated, and
+``accs[i]`` must be None). Where k = cols the two are the same tensor.
+
 Triton kernel -> launcher :func:`selective_adamw_accumulate` (one launch per param dtype
 and grad dtype; a table row per param, see ``_multi``) -> torch reference. The arithmetic
 is the one of the single-param kernels (``selective_adamw.adamw_block``, the accumulate's
@@ -36,8 +40,8 @@ except ImportError as e:  # no Triton: the reference below still works
 
 # Table row: addresses, then sizes and strides (int64), then the param's tile count.
 (_P, _G, _DIDX, _M, _V, _MASTER, _ACC, _HIDX, _ROWS, _K, _N, _PSR, _PSC, _GSR, _GSC,
- _ADAM_TILES) = range(16)
-_W = 16
+ _ADAM_TILES, _G_COMPACT) = range(17)
+_W = 17
 
 
 # The *_like pointers give only element types: their addresses (the first tensor's) must
@@ -73,7 +77,9 @@ def _selective_adamw_accumulate_kernel(
         v_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
         # Without a master the row holds 0 there; adamw_block then never touches it.
         master_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-        g = tl.load(g_ptr + offs_r[:, None] * g_sr + (cols * g_sc)[None, :],
+        # A compact gradient holds only these columns, at their compact positions.
+        g_cols = tl.where(tl.load(row + 16) != 0, offs_k.to(tl.int64), cols)
+        g = tl.load(g_ptr + offs_r[:, None] * g_sr + (g_cols * g_sc)[None, :],
                     mask=mask, other=0.0).to(tl.float32)
         adamw_block(p_ptrs, g, m_ptr + state, v_ptr + state, master_ptr + state, mask,
                     decay, lerp_w, beta2, one_minus_beta2, eps, tl.load(hyper_ptr + 2 * i),
@@ -115,10 +121,16 @@ def selective_adamw_accumulate(p2ds: Sequence[torch.Tensor], g2ds: Sequence[torc
     groups: dict[tuple, list[int]] = {}
     for i in range(n_t):
         p, g = p2ds[i], g2ds[i]
-        if p.dim() != 2 or g.shape != p.shape or g.device != p.device:
-            raise ValueError(f"param {i}: p2d and g2d must be 2-D of one shape on one device, "
-                             f"got {tuple(p.shape)} and {tuple(g.shape)}")
         rows, k = p.shape[0], dev_idxs[i].numel()
+        if p.dim() != 2 or g.dim() != 2 or g.shape[0] != rows or g.device != p.device or \
+                g.shape[1] not in (p.shape[1], k):
+            raise ValueError(f"param {i}: p2d and g2d must be 2-D on one device, g2d of p2d's "
+                             f"shape or of its {k} device-owned columns, got {tuple(p.shape)} "
+                             f"and {tuple(g.shape)}")
+        if _compact(p, g) and accs[i] is not None and host_idxs[i] is not None \
+                and host_idxs[i].numel():
+            raise ValueError(f"param {i}: a compact gradient (its device-owned columns only) "
+                             "has no host-owned columns to accumulate")
         _check_idx(dev_idxs[i], p.device, int64_only=True)
         if k:
             for name, t in ((("m", ms[i]), ("v", vs[i]))
@@ -185,6 +197,7 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
         row[_PSR], row[_PSC] = p.stride(0), p.stride(1)
         row[_GSR], row[_GSC] = g.stride(0), g.stride(1)
         row[_ADAM_TILES] = adam_tiles
+        row[_G_COMPACT] = int(_compact(p, g))
         rows_meta.append(row)
         hyper.extend((s["neg_step_size"], s["bc2_sqrt"]))
         tiles.append(adam_tiles + acc_tiles)
@@ -204,6 +217,11 @@ def _launch_group(members, p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs, h
     return 1
 
 
+def _compact(p2d: torch.Tensor, g2d: torch.Tensor) -> bool:
+    """Whether ``g2d`` holds only the device-owned columns of ``p2d``'s gradient."""
+    return g2d.shape[1] != p2d.shape[1]
+
+
 def selective_adamw_accumulate_ref(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, accs,
                                    host_idxs, *, lr: float, beta1: float, beta2: float,
                                    eps: float, weight_decay: float,
@@ -218,7 +236,8 @@ def selective_adamw_accumulate_ref(p2ds, g2ds, dev_idxs, ms, vs, masters, steps,
         if dev_idxs[i].numel():
             selective_adamw_ref(p2ds[i], g2ds[i], dev_idxs[i], ms[i], vs[i], masters[i],
                                 lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                weight_decay=weight_decay, step=steps[i])
+                                weight_decay=weight_decay, step=steps[i],
+                                compact=_compact(p2ds[i], g2ds[i]))
         if accs[i] is not None and host_idxs[i] is not None and host_idxs[i].numel():
             accumulate_columns_ref(accs[i], g2ds[i], host_idxs[i], 1.0)
     return 0

@@ -146,6 +146,9 @@ def selective_adamw_accumulate(p2ds, g2ds, dev_idxs, ms, vs, masters, steps, acc
         return
     if skip is not None and bool(skip):
         return
+    if any(g.shape[1] != p.shape[1] for p, g in zip(p2ds, g2ds)):
+        raise NotImplementedError("a compact gradient (gradient streaming) is not supported "
+                                  "under torch.compile; the optimizer's step is not compiled")
     for i in range(len(p2ds)):
         selective_adamw(p2ds[i], g2ds[i], dev_idxs[i], ms[i], vs[i], masters[i], lr=lr,
                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

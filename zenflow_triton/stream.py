@@ -1,0 +1,397 @@
+"""Gradient streaming (``ZenFlowConfig(stream_grads=True)``): each matrix param's gradient
+leaves the device as backward makes it, so no full gradient of the model is ever resident.
+
+A post-accumulate-grad hook per matrix param (in place from construction: the first
+backward streams too) splits the gradient as the coming step will use it, then frees
+``.grad``:
+
+* *split* (the param has a selection and the coming step neither warms up nor reselects):
+  the host-owned columns are gathered and copied to host memory without blocking (a later
+  micro-batch's are added into the first's by the host worker, in the grad's dtype: the sum
+  autograd would have made in ``.grad``), the device-owned ones are kept in a device buffer
+  ``[rows, k]`` (a later micro-batch's added in place, as autograd adds);
+* *whole* (no selection yet, a warm-up step, a reselection step): the whole gradient goes
+  to host memory, and where a selection follows, its column scores are added up on the
+  device (exact for one micro-batch; with several, the sum of each one's scores).
+
+Nothing is updated inside backward. ``step()`` takes what the hooks left: :meth:`work` gives
+its entries (with a NaN/inf probe as their gradient, for the check) and the scores of a
+selection, :meth:`clip` scales every gradient by one coefficient (``max_grad_norm``), and
+:meth:`resolve`, once the step's selection is made, gives the device half the compact device
+columns and the host columns (``Split``), which the host worker adds into the window
+accumulator, or a one-step window reads as they are. Small params (1-D, tiny matrices) keep
+their ``.grad`` as without streaming.
+
+Ordering invariants:
+
+* A host copy is read only after its ``wait``: by the worker job that adds a later
+  micro-batch into the first's, by :meth:`resolve` on this thread (whole), or by the
+  step's finalize job, which :meth:`resolve` queues on the host worker before any job
+  that reads the step's host columns (the worker runs jobs in order).
+* What the hooks left is taken by the next ``step()``; ``zero_grad()`` and a step that
+  raises NonFiniteGradientError drop it (after its copies are done).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .columns.layout import shape2d, view2d
+from .kernels import column_scores_ref, nonfinite_flags
+from .schedule import plan_step
+from .state import MATRIX
+
+
+class StreamingError(ValueError):
+    """Gradient streaming cannot be used with these params or this setup."""
+
+
+def check_streamable(config, shard) -> None:
+    """StreamingError, before anything is made, where ``stream_grads`` cannot work."""
+    if config.stream_grads and (shard.collective or not shard.split_rows):
+        raise StreamingError(
+            "stream_grads is not supported under DDP or FSDP2 yet: DDP averages a gradient "
+            "across ranks after the hook that would stream it (the hook would send this "
+            "rank's own gradient to the host), and FSDP2 holds sharded gradients this "
+            "version does not stream; use accumulate_on=\"host\" there")
+
+
+@dataclass
+class HostPart:
+    """A streamed param's host-owned columns of one step, in host memory, in the grad's
+    dtype; complete (and clipped) once the step's finalize job ran on the host worker."""
+    tensor: torch.Tensor
+
+    def add_into(self, acc: torch.Tensor) -> None:
+        """On the host worker: the window accumulator += these columns (as the host
+        accumulation of a device gradient adds its copy)."""
+        acc.add_(self.tensor.view(acc.shape))
+
+
+@dataclass
+class Split:
+    """A streamed param's gradient as the device half takes it."""
+    dev: torch.Tensor | None
+    """The device-owned columns' gradient [rows, k] on the device (None when k = 0)."""
+    host: HostPart | None
+    """The host-owned columns (None when every column is device-owned)."""
+
+
+@dataclass
+class _Buffers:
+    """What the hooks left for one param since the last step."""
+    whole: bool
+    host: torch.Tensor | None = None  # the first micro-batch's host copy; later ones add in
+    waits: list = field(default_factory=list)  # copies not yet waited for
+    jobs: list = field(default_factory=list)   # worker jobs adding later micro-batches
+    dev: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    bad: torch.Tensor | None = None            # bool [1] on the device: a NaN/inf seen
+    norm: torch.Tensor | None = None           # one micro-batch's 2-norm (clipping)
+    micro: int = 0
+
+
+class GradStream:
+    """The hooks and what they leave (active with ``stream_grads``); also, with or without
+    streaming, clipping by the global norm and the peak of live gradient bytes."""
+
+    def __init__(self, config, ops, link, pipeline, device_half, state: dict,
+                 next_step: Callable[[], int], name_of: Callable[[torch.Tensor], str]) -> None:
+        self.config, self.ops, self.link = config, ops, link
+        self.pipeline, self.device_half, self.state = pipeline, device_half, state
+        self.active = config.stream_grads
+        self._next_step, self._name_of = next_step, name_of
+        self._bufs: dict[torch.Tensor, _Buffers] = {}
+        self._handles: list = []
+        self._coef: torch.Tensor | None = None
+        self._held = 0           # device bytes of the buffers kept between hooks
+        self.peak_bytes = 0      # live device gradient bytes, the most seen
+        self._hook_peak = 0      # the most seen inside a hook (streamed gradients only)
+        self.streamed = 0        # gradients streamed (hook calls)
+
+    # ------------------------------------------------------------------ setup
+    def install(self, params, kind_of: Callable[[torch.Tensor], str]) -> None:
+        """A hook on each trainable matrix param of ``params`` (``check_streamable`` first)."""
+        if not self.active:
+            return
+        this = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:  # the optimizer may be collected: then leave .grad
+            stream = this()
+            if stream is not None and stream.active:
+                stream._on_grad(p)
+        for p in params:
+            if p.requires_grad and kind_of(p) == MATRIX:
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def remove(self) -> None:
+        """Take the hooks off (close()): gradients then stay in ``.grad``."""
+        self.active = False
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------------ the hook
+    def _on_grad(self, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if g.is_sparse or g.layout != torch.strided or g.is_complex() or g.shape != p.shape:
+            raise TypeError(f"{self._name_of(p)}: stream_grads takes dense real gradients of "
+                            f"the param's shape, got {g.layout} {g.dtype} {tuple(g.shape)}")
+        b = self._bufs.get(p)
+        if b is None:
+            b = self._bufs[p] = self._start(p)
+        g2d = view2d(g, like=p)
+        transient = g.numel() * g.element_size()
+        if self.config.check_finite:
+            flag = nonfinite_flags([g2d], exact=True) if g.numel() else None
+            if flag is not None:
+                b.bad = flag if b.bad is None else b.bad | flag
+        if self.config.max_grad_norm is not None:
+            b.norm = torch.linalg.vector_norm(g, 2.0)  # clip_grad_norm_'s per-tensor norm
+        if b.whole:
+            if b.scores is not None:
+                self.ops.column_scores(g2d, self.config.score, out=b.scores)
+            host_src = g2d
+        else:
+            st = self.state[p]
+            if st["device_idx"].numel():
+                cols = self.ops.gather_columns(g2d, st["device_idx"])
+                transient += cols.numel() * cols.element_size()
+                if b.dev is None:
+                    b.dev = cols
+                    self._held += cols.numel() * cols.element_size()
+                else:
+                    b.dev.add_(cols)
+            host_src = None
+            if st["host_idx"].numel():
+                host_src = self.device_half.host_columns(g2d, self.device_half.host_idx(p, st))
+                if host_src is not g2d:
+                    transient += host_src.numel() * host_src.element_size()
+        if host_src is not None:
+            self._to_host(b, host_src.contiguous())
+        self._hook_peak = max(self._hook_peak, self._held + transient)
+        b.micro += 1
+        self.streamed += 1
+        p.grad = None  # the whole gradient is gone; what the step needs is kept above
+
+    def _start(self, p: torch.Tensor) -> _Buffers:
+        """The buffers of ``p``'s gradient for the coming step: split by its selection, or
+        whole (with column scores where a selection follows)."""
+        plan = plan_step(self._next_step(), self.config)
+        st = self.state.get(p)
+        unselected = not st or not st.get("selected")
+        b = _Buffers(whole=plan.warmup or plan.reselect or unselected)
+        if b.whole and not plan.warmup:
+            b.scores = torch.zeros(shape2d(p)[1], dtype=torch.float32, device=p.device)
+            self._held += b.scores.numel() * 4
+        return b
+
+    def _to_host(self, b: _Buffers, src: torch.Tensor) -> None:
+        """``src`` to host memory without blocking; a later micro-batch's added into the
+        first's by the host worker, after both copies are done."""
+        out, wait = self.link.to_host_async(src)
+        if b.host is None:
+            b.host = out.view(src.shape)
+            b.waits.append(wait)
+            return
+        waits, b.waits = b.waits + [wait], []
+        timeout, into, add = self.config.host_timeout, b.host, out.view(src.shape)
+
+        def add_micro_batch() -> None:
+            for w in waits:
+                w(timeout)
+            into.add_(add)
+        b.jobs.append(self.pipeline.submit(add_micro_batch, "a streamed micro-batch's sum"))
+
+    # ------------------------------------------------------------------ the step
+    @property
+    def pending(self) -> bool:
+        return bool(self._bufs)
+
+    def work(self, param_groups: list[dict], collected: list) -> list:
+        """The step's (group, param, grad) entries, in group order: ``collected`` (the
+        ``.grad`` of every param that has one) and, for every param with a streamed gradient,
+        a probe: a one-element tensor, NaN where a micro-batch held a NaN or inf, else 0
+        (what the NaN/inf check reads; :meth:`resolve` replaces it). Notes the live
+        gradient bytes."""
+        if self._bufs:
+            have = {p: (group, p, g) for group, p, g in collected}
+            out = []
+            for group in param_groups:
+                for p in group["params"]:
+                    b = self._bufs.get(p)
+                    if b is not None:
+                        probe = (torch.zeros(1, device=p.device) if b.bad is None
+                                 else torch.where(b.bad, float("nan"), 0.0).float())
+                        out.append((group, p, probe))
+                    elif p in have:
+                        out.append(have[p])
+            collected = out
+        self.note_step(collected)
+        return collected
+
+    def checked(self, check: Callable[[], Any]) -> Any:
+        """``check()`` (the step's NaN/inf check, before any change); what the hooks left is
+        dropped when it raises NonFiniteGradientError: that step is skipped, its gradients
+        with it (as a framework's zero_grad would drop a ``.grad``)."""
+        try:
+            return check()
+        except FloatingPointError:
+            self.discard()
+            raise
+
+    def scores(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The column scores of the step's gradients, for its selection: the hooks' (one
+        micro-batch), or those of the sum of several (scored from the host copy once the
+        host worker summed it: a score is not additive over micro-batches)."""
+        out = {}
+        for p, b in self._bufs.items():
+            if b.scores is None:
+                continue
+            if b.micro > 1:
+                self._settle(b)
+                b.scores = column_scores_ref(b.host, self.config.score).to(p.device)
+                b.micro = 1  # scored: the sum is what the step takes
+                b.norm = None if b.norm is None else self._summed_norm(p, b)
+            out[p] = b.scores
+        return out
+
+    def clip(self, work) -> None:
+        """``max_grad_norm``: scale every gradient of the step by ``min(1, max_norm / (norm +
+        1e-6))`` of their global 2-norm, as ``torch.nn.utils.clip_grad_norm_`` does (its
+        per-tensor norms, then the norm of those; in the grads' dtype). Device gradients are
+        scaled now; streamed host columns by the host worker (or :meth:`resolve`)."""
+        max_norm = self.config.max_grad_norm
+        if max_norm is None or not work:
+            return
+        norms, small = [], []
+        for _, p, g in work:
+            b = self._bufs.get(p)
+            if b is None:
+                norms.append(torch.linalg.vector_norm(g, 2.0))
+                small.append(g)
+            else:
+                norms.append(b.norm if b.micro == 1 else self._summed_norm(p, b))
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in small:
+            g.mul_(coef.to(g.device))
+        for b in self._bufs.values():
+            if b.dev is not None:
+                b.dev.mul_(coef.to(b.dev.device))
+        self._coef = coef
+
+    def _summed_norm(self, p: torch.Tensor, b: _Buffers) -> torch.Tensor:
+        """The 2-norm of a gradient summed over micro-batches, in its dtype as
+        ``clip_grad_norm_`` gives it: from the host copy once the host worker summed it (and
+        the device columns), the parts' squares added in fp32, rounded once."""
+        self._settle(b)
+        sq = torch.linalg.vector_norm(b.host, 2.0, dtype=torch.float32).to(p.device) ** 2
+        if b.dev is not None:
+            sq = sq + torch.linalg.vector_norm(b.dev, 2.0, dtype=torch.float32) ** 2
+        return sq.sqrt().to(b.host.dtype)
+
+    def _settle(self, b: _Buffers) -> None:
+        """Wait (on this thread) until ``b``'s host copy holds every micro-batch."""
+        for job in b.jobs:
+            self.pipeline.wait_job(job)
+        for w in b.waits:
+            w(self.config.host_timeout)
+        b.jobs, b.waits = [], []
+
+    def resolve(self, work) -> tuple[list, dict[torch.Tensor, Split]]:
+        """After the step's selection: ``work`` with each streamed entry's probe replaced by
+        its device columns' gradient, and param -> :class:`Split` for the device half. Takes
+        the buffers (the next backward starts afresh)."""
+        bufs, self._bufs, self._held = self._bufs, {}, 0
+        coef, self._coef = self._coef, None
+        if not bufs:
+            return work, {}
+        ready: dict[torch.Tensor, Split] = {}
+        pending = []
+        out = []
+        for group, p, g in work:
+            b = bufs.get(p)
+            if b is None:
+                out.append((group, p, g))
+                continue
+            st = self.state[p]
+            if b.whole:  # cut by the selection just made (a reselection, warm-up, first)
+                self._settle(b)
+                if coef is not None:
+                    b.host.mul_(coef.to(b.host.device))
+                ready[p] = self._cut(p, st, b.host)
+            else:
+                ready[p] = Split(b.dev, HostPart(b.host) if b.host is not None else None)
+                if b.host is not None:
+                    pending.append(b)
+            out.append((group, p, ready[p].dev if ready[p].dev is not None else g))
+        if pending:  # every job that reads these host columns is queued after this one
+            self.pipeline.submit(_finalize(pending, coef, self.config.host_timeout),
+                                 "the streamed gradients of a step")
+        return out, ready
+
+    def _cut(self, p: torch.Tensor, st: dict, whole: torch.Tensor) -> Split:
+        """A whole gradient in host memory, cut by ``p``'s selection: its device columns
+        back on the device, its host columns (a gather on the host)."""
+        host_idx = st["host_idx"]
+        cols = whole.shape[1]
+        dev = None
+        if host_idx.numel() < cols:
+            dev_idx = np.setdiff1d(np.arange(cols), host_idx.numpy(), assume_unique=True)
+            dev = self.link.to_device(whole.index_select(1, torch.from_numpy(dev_idx)),
+                                      p.device)
+        host = None
+        if host_idx.numel():
+            host = HostPart(whole if host_idx.numel() == cols
+                            else whole.index_select(1, host_idx))
+        return Split(dev, host)
+
+    def discard(self) -> None:
+        """Drop what the hooks left (``zero_grad()``, a step that found a NaN/inf): after
+        its copies and jobs are done, so no copy writes freed memory."""
+        bufs, self._bufs, self._held, self._coef = self._bufs, {}, 0, None
+        for b in bufs.values():
+            try:
+                self._settle(b)
+            except Exception:  # a failed add raises at the next check(); nothing to keep
+                pass
+
+    # ------------------------------------------------------------------ memory
+    def note_step(self, work) -> None:
+        """At ``step()``: the ``.grad`` tensors the step reads (every gradient without
+        streaming; the small params' with it, added to the most a hook held: a bound) are
+        live gradient bytes of this backward."""
+        resident = sum(g.numel() * g.element_size() for _, p, g in work
+                       if p not in self._bufs)
+        self.peak_bytes = max(self.peak_bytes, resident + self._hook_peak)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(grad_bytes_peak=self.peak_bytes, grads_streamed=self.streamed)
+
+
+def _finalize(bufs: list[_Buffers], coef: torch.Tensor | None, timeout: float):
+    """The host worker's part of a step's streamed host columns: wait for their copies, then
+    scale them by the clipping coefficient."""
+    waits = [w for b in bufs for w in b.waits]
+    hosts = [b.host for b in bufs]
+    for b in bufs:
+        b.waits = []
+    c = None if coef is None else coef.detach()
+
+    def run() -> None:
+        for w in waits:
+            w(timeout)
+        if c is not None:
+            scale = c.to("cpu")
+            for h in hosts:
+                h.mul_(scale)
+    return run
