@@ -301,3 +301,13 @@ def test_a_job_that_writes_outboxes_waits_for_their_device(accumulate_on, monkey
             loss_fn(model, x).backward()
             opt.step()
     assert len(seen) == 3 and all(d == ["cpu"] for d in seen), seen
+
+
+def test_the_optimizer_class_stays_under_400_lines():
+    # docs/design.md, "Map of the code": features land in rooms of their own; the class only
+    # holds the parts and calls them in the order of the algorithm.
+    import inspect
+
+    from zenflow_triton.optimizer import ZenFlowOptimizer as Opt
+    lines = inspect.getsource(Opt).count("\n")
+    assert lines < 400, f"ZenFlowOptimizer is {lines} lines; move a concern into its room"

@@ -10,19 +10,16 @@ docs/design.md, "Map of the code".
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .checkpoint.state_dict import (SD_VERSION, adamw_state_dict, build, config_change, read,
-                                    refuse_open_windows, window_open,
-                                    without_kernel_choices)
+from .checkpoint.methods import StateDictMethods
+from .checkpoint.state_dict import window_open, without_kernel_choices
 from .columns.split import ColumnSplit
 from .config import ZenFlowConfig, check_hyper
 from .device import DeviceHalf
-from .dist.fsdp import (LocalState, check_same_kind, local, local_view, localize,
-                        refuse)
+from .dist.fsdp import LocalState, check_same_kind, local, localize
 from .dist.shard import RowShard
 from .fit import DoesNotFitError, fitted, profile_settings
 from .guards.faults import OptimizerFailedError, StepGuard
@@ -41,7 +38,7 @@ from .stream import GradStream, check_streamable
 from .transfer import Link
 
 
-class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
+class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
     """AdamW whose important columns update on the device every step and the rest on the host.
 
     Args:
@@ -356,106 +353,6 @@ class ZenFlowOptimizer(HostThreads, torch.optim.Optimizer):
                                params=self._params(), state=self.state, kind_of=self._kind,
                                config=self.config, device_indices=self._dev.index_tensors(),
                                counters=self._counters)
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """Tensors and primitives only; host work in flight finished and saved as pending, to
-        be applied at the step it would have been. Under data parallelism: collective, the
-        full form (every rank's rows), unless :meth:`prepare_state_dict` made it already."""
-        prepared = getattr(self, "_prepared", None)  # a copy (__setstate__) has none
-        if prepared is not None and prepared[0] == self._global_step:
-            return prepared[1]
-        return self._state_dict(gather=True)
-
-    def prepare_state_dict(self) -> None:
-        """Gather the full state dict now, on every rank, and keep it until the next change,
-        so that one rank's :meth:`state_dict` makes no collective (frameworks that save on
-        rank 0 only: ``zenflow_triton.hf.ZenFlowCallback`` calls this before a save)."""
-        self._prepared = None
-        self._prepared = (self._global_step, self._state_dict(gather=True))
-
-    def save_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
-        """Save through ``torch.distributed.checkpoint``, each rank writing only its rows of
-        the host halves (collective); :meth:`load_sharded` reads it into any world size.
-        See ``zenflow_triton.checkpoint.sharded``."""
-        from .checkpoint.sharded import save_sharded
-        save_sharded(self._state_dict(gather=False), self._params(), self._shard,
-                     checkpoint_id, **dcp_kwargs)
-
-    def load_sharded(self, checkpoint_id, **dcp_kwargs: Any) -> None:
-        """Load a :meth:`save_sharded` checkpoint (collective; any world size)."""
-        from .checkpoint.sharded import read_sharded
-        self.load_state_dict(read_sharded(self._params(), self._shard,
-                                          self.config.accumulate_on, checkpoint_id,
-                                          **dcp_kwargs))
-
-    def _state_dict(self, gather: bool) -> dict[str, Any]:
-        """torch's state_dict (its pre and post hooks in its order) plus the ``zenflow``
-        entry; host work in flight finished first. No telemetry: identical runs give
-        identical state dicts (``stats()`` has the counters and timings)."""
-        if getattr(self, "_detached", False):
-            self._check_open()  # explains what a copy lacks
-        self._guard.check()
-        if self.config.check_finite and not self._closed:
-            self._finite.settle()  # a deferred NaN/inf check raises here, rolled back
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        if not self._closed:
-            self._guard.or_fail(self._pipeline.wait_all, self._global_step)
-        sd = build(self.param_groups, self.state, self._params(), self._shard, gather=gather,
-                   meta={"version": SD_VERSION, "global_step": self._global_step,
-                         "config": self.config.to_dict(), "backend": self._backend},
-                   fsdp=self._fsdp, config=self.config)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
-        return sd
-
-    def to_adamw_state_dict(self) -> dict[str, Any]:
-        """This state as ``torch.optim.AdamW.load_state_dict`` takes it (same groups): one
-        step count per param, the moments rescaled to it. Applies pending results first;
-        refused while a window is open (after :meth:`finish` none is). Collective under DDP."""
-        if self._fsdp:
-            refuse("to_adamw_state_dict()")
-        refuse_open_windows(self._params(), self.state, self._param_name)
-        self.synchronize()
-        return adamw_state_dict(self._state_dict(gather=True), self._params())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``, or a ``torch.optim.AdamW`` one for the same params and
-        groups (switching from AdamW mid-training: its moments become the host half and the
-        next step selects the device's columns with theirs; the schedule starts afresh).
-        Runs torch's load hooks in torch's order; checks every saved tensor against its param
-        before anything changes (``checkpoint.state_dict.read``); puts device state on each
-        param's device and host state in host memory whatever device or dtype a framework
-        moved them to. Loading a good state clears a failure."""
-        self._check_open()
-        state_dict = dict(state_dict)  # shallow, as torch does
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        loaded = read(state_dict, self.param_groups, self.config, self._shard.rows,
-                      self._param_name, self._kind,
-                      lambda p, saved: local_view(p, saved, self._shard))
-        self._check_hyper(loaded.groups, "state_dict param group")
-        changed = None if loaded.adamw else config_change(loaded.meta.get("config"),
-                                                           self.config)
-        if changed:
-            warnings.warn(changed, UserWarning, stacklevel=2)
-        self._pipeline.forget()  # the work in flight belongs to the state being replaced
-        for g, saved in zip(self.param_groups, loaded.groups):
-            g.update(saved)
-        self.state.clear()
-        self.state.update(loaded.state)
-        self._dev.forget()
-        self._finite.discard()  # unread checks of the state being replaced
-        self._prepared = None
-        self._global_step = 0 if loaded.adamw else int(loaded.meta.get("global_step", 0))
-        self._guard.clear()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
 
 __all__ = ["ZenFlowOptimizer", "NonFiniteGradientError", "HostWorkerError",
