@@ -423,7 +423,8 @@ class ModelledRow:
         return self.prediction.modelled_step_time_s
 
 
-def profile_of(value: str | Profile, device_memory_gb: float | None = None) -> Profile:
+def profile_of(value: str | Profile, device_memory_gb: float | None = None,
+               host_memory_gb: float | None = None) -> Profile:
     """A profile by name, or read from a path to its JSON (a card of one's own: copy a
     built-in's file, ``zenflow-tune show NAME --json``, and edit its ``hardware``); with
     ``device_memory_gb``, the same hardware with that much device memory (a memory variant
@@ -434,6 +435,11 @@ def profile_of(value: str | Profile, device_memory_gb: float | None = None) -> P
         prof = read_profile_file(value)
     else:
         prof = load_profile(value)
+    if host_memory_gb is not None:  # the host's memory, a fact the fit check reads
+        if not host_memory_gb > 0:
+            raise ModelledError(f"host memory must be > 0 GB, got {host_memory_gb}")
+        prof = dataclasses.replace(prof, hardware=dict(prof.hardware,
+                                                       host_memory_gb=host_memory_gb))
     if device_memory_gb is None:
         return prof
     if not device_memory_gb > 0:
@@ -565,17 +571,20 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
 def _prediction(hw: M.Hardware, wl: M.Workload, gpus: int, settings: dict[str, Any]
                 ) -> tuple[M.Prediction, dict[str, Any]]:
     """The modelled zenflow step of ``settings``, or, where it does not fit with the window
-    summed on the device, of the same summed on the host (same arithmetic: see
+    summed on the device, of the same summed on the host, and then with the gradient
+    streamed off the device during backward (the same arithmetic, bit for bit: see
     :func:`rank_points`), with the settings it was made with."""
     try:
         cfg = M.zenflow_config(settings)
     except M.StepModelError as e:
         raise ModelledError(f"settings {settings}: {e}") from None
     pred = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg)
-    if not pred.fits and cfg.accumulate_on != "host":
-        lean = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg.replace(accumulate_on="host"))
-        if lean.fits:
-            return lean, dict(settings, accumulate_on="host")
+    for more in (dict(accumulate_on="host"), dict(accumulate_on="host", stream_grads=True)):
+        if pred.fits or all(getattr(cfg, k) == v for k, v in more.items()):
+            continue
+        leaner = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg.replace(**more))
+        if leaner.fits:
+            return leaner, dict(settings, **more)
     return pred, settings
 
 

@@ -16,6 +16,9 @@ writes to ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.txt``:
    multi-tensor device-half kernel (useful bytes from the sizes) and torch's fused AdamW
    on the same params as a yardstick measured in the same run.
 5. ``torch.cuda.max_memory_allocated`` for ZenFlow and for fused AdamW.
+6. **Gradient streaming** on a Llama trained forward and backward: ``stream_grads=True``
+   against ``accumulate_on="host"`` (bit for bit alike?), the peak device memory, step time
+   and the optimizer's peak of live gradient bytes of each.
 
 ``--cpu-smoke`` runs the same code on CPU tensors with tiny sizes in Triton's interpreter
 (the CUDA-only measurements reported as absent): a test (tests/test_bench_smoke.py) runs
@@ -250,6 +253,62 @@ def memory_and_speed(width, layers, device, steps=8) -> dict:
     return out
 
 
+def streaming(width, layers, device, steps=6) -> dict:
+    """A Llama (random weights, from a config: transformers) trained with forward and
+    backward, ``accumulate_on="host"`` against ``stream_grads=True``: whether the params end
+    bit for bit alike, ``torch.cuda.max_memory_allocated`` of each run, the median step time
+    (forward + backward + step) and the optimizer's own peak of live gradient bytes."""
+    try:
+        import transformers
+    except ImportError:
+        return dict(skipped="needs transformers")
+    from zenflow_triton import ZenFlowOptimizer
+
+    cuda = device.type == "cuda"
+    cfg = transformers.LlamaConfig(vocab_size=32000 if cuda else 128, hidden_size=width // 2,
+                                   intermediate_size=int(width * 1.375), num_hidden_layers=layers,
+                                   num_attention_heads=max(1, width // 256),
+                                   num_key_value_heads=max(1, width // 1024),
+                                   max_position_embeddings=512, tie_word_embeddings=False)
+    tokens = (4, 256) if cuda else (2, 8)
+    out = {"params": None}
+    finals = {}
+    for name, extra in (("host_accumulation", {}), ("stream_grads", dict(stream_grads=True))):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+        out["params"] = sum(p.numel() for p in model.parameters())
+        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-4, backend="triton",
+                               topk_ratio=0.1, update_interval=2, select_interval=4,
+                               accumulate_on="host", dense_params=(), **extra)
+        g = torch.Generator(device="cpu").manual_seed(1)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(steps):
+            ids = torch.randint(0, cfg.vocab_size, tokens, generator=g).to(device)
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        opt.finish()
+        finals[name] = [p.detach().clone() for p in model.parameters()]
+        out[name] = dict(step_ms_median=1e3 * statistics.median(times[1:]),
+                         max_memory_allocated=(torch.cuda.max_memory_allocated(device)
+                                               if cuda else None),
+                         grad_bytes_peak=opt.stats()["grad_bytes_peak"])
+        opt.close()
+        del opt, model
+    a, b = finals["host_accumulation"], finals["stream_grads"]
+    out["bit_for_bit"] = all(torch.equal(x, y) for x, y in zip(a, b))
+    out["max_abs_diff"] = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+    return out
+
+
 def write(out: Path, report: dict) -> None:
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     lines = [f"{k}: {json.dumps(v, default=str)}" for k, v in report.items()]
@@ -271,7 +330,8 @@ def main() -> int:
     report = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__, width=width, layers=layers, zenflow=ZF)
     ok = True
-    for name, fn in (("trajectory", trajectory), ("syncs", syncs_per_step),
+    for name, fn in (("trajectory", trajectory), ("streaming", streaming),
+                     ("syncs", syncs_per_step),
                      ("profile", profile_steps), ("memory_and_speed", memory_and_speed)):
         t0 = time.perf_counter()
         try:
@@ -282,7 +342,8 @@ def main() -> int:
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         print(f"{name}: {json.dumps(report[name], default=str)[:2000]}", flush=True)
         write(out, report)  # after every section: a timeout keeps what was measured
-    ok = ok and report["trajectory"].get("ok", False)
+    ok = ok and report["trajectory"].get("ok", False) and \
+        report["streaming"].get("bit_for_bit", True) is not False
     report["ok"] = ok
     write(out, report)
     print("gpu_check.py:", "OK" if ok else "FAILED")

@@ -79,7 +79,7 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
                 break
             need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
             tried.append(f"{preset} does not fit: at least {need:.1f} GB of device memory "
-                         f"(before activations) against {hw.device_memory_bytes / 1e9:.0f} GB")
+                         f"(activations included) against {hw.device_memory_bytes / 1e9:.0f} GB")
         print(f"\n== {name}: {out.workload.name}, {gpus} GPU(s), {tokens} tokens/GPU/step")
         for t in tried:
             print(f"   ({t})")
@@ -101,6 +101,9 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
         prov["citations"] = doc["provenance"].get("citations", [])
         settings = dict(doc["settings"])
         settings.update(out.best.point.settings)
+        for key in ("accumulate_on", "stream_grads"):  # what made it fit (rank_points)
+            if key in out.best.settings:
+                settings[key] = out.best.settings[key]
         if out.best.point.settings.get("apply_delay") is None:  # the default: not written
             settings.pop("apply_delay", None)
         new = dict(doc, settings=settings, provenance=prov)

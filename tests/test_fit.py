@@ -5,6 +5,8 @@ the test (monkeypatched): CPU params have none to check."""
 
 import warnings
 
+import math
+
 import pytest
 import torch
 
@@ -70,7 +72,9 @@ def test_lean_settings_need_less_and_frozen_params_count_nothing():
 
 
 def _capacity(monkeypatch, nbytes):
-    monkeypatch.setattr(F, "device_capacity_bytes", lambda device: nbytes)
+    """A device whose share for the optimizer (less the headroom) is ``nbytes``."""
+    total = math.ceil(nbytes / (1 - F.DEVICE_HEADROOM))
+    monkeypatch.setattr(F, "device_capacity_bytes", lambda device: total)
 
 
 def _needs(model, **changes):
@@ -128,16 +132,21 @@ def test_an_override_that_fits_passes_and_skip_skips(monkeypatch):
 
 def test_when_params_and_grads_alone_do_not_fit_it_says_so(monkeypatch):
     model = Tiny().to(torch.bfloat16)
-    floor = 2 * sum(p.numel() for p in model.parameters()) * 2
-    _capacity(monkeypatch, floor - 1)
-    with pytest.raises(DoesNotFitError, match="params and gradients alone are"):
+    streamed = F.device_bytes(model.named_parameters(),
+                              load_profile("a100-pcie4").config(**F.STREAMED))
+    floor = streamed.params + streamed.grads
+    _capacity(monkeypatch, floor - 2)
+    with pytest.raises(DoesNotFitError, match="the gradients in flight alone are"):
         ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), fit="lean")
 
 
 def test_when_even_lean_does_not_fit_it_names_topk_ratio(monkeypatch):
     model = Tiny().to(torch.bfloat16)
-    lean = _needs(model, **F.LEAN)
-    floor = 2 * sum(p.numel() for p in model.parameters()) * 2
+    cfg = load_profile("a100-pcie4").config(**F.STREAMED)
+    streamed = F.device_bytes(model.named_parameters(), cfg)
+    # (on a model this small, streaming holds more than the whole gradient: 2 x its largest)
+    lean = min(streamed.total, _needs(model, **F.LEAN))
+    floor = streamed.params + streamed.grads
     assert floor < lean
     _capacity(monkeypatch, (floor + lean) // 2)
     with pytest.raises(DoesNotFitError, match="lower topk_ratio"):
@@ -187,3 +196,42 @@ def test_groups_of_tensors_or_named_pairs_count_alike():
 def test_a_single_tensor_gets_torchs_own_error():
     with pytest.raises(TypeError, match="iterable of Tensors"):
         ZenFlowOptimizer(torch.nn.Parameter(torch.zeros(3, 3)))
+
+
+def test_a_model_whose_gradient_does_not_fit_is_told_to_stream(monkeypatch):
+    # 8 equal matrices: streamed, the device holds 2 of their gradients and the device
+    # columns, not all 8
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False)
+                                  for _ in range(8)]).to(torch.bfloat16)
+    lean = _needs(model, **F.LEAN)
+    streamed = _needs(model, **F.STREAMED)
+    assert streamed < lean
+    _capacity(monkeypatch, (streamed + lean) // 2)
+    with pytest.raises(F.StreamingRequired, match="stream_grads=True would need") as ei:
+        ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5)
+    assert "max_grad_norm" in str(ei.value)
+    with pytest.warns(UserWarning, match="stream_grads=True"):
+        opt = ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5,
+                                            fit="lean")
+    try:
+        assert opt.config.stream_grads and opt.config.accumulate_on == "host"
+    finally:
+        opt.close()
+
+
+def test_the_host_side_is_checked_against_the_memory_available(monkeypatch):
+    model = Tiny().to(torch.bfloat16)
+    cfg = load_profile("a100-pcie4").config()
+    need = F.host_bytes(model.named_parameters(), cfg)
+    # host-owned elements x (fp32 master + two fp32 moments + a bf16 outbox)
+    from zenflow_triton.columns.selection import num_selected
+    host = sum(p.shape[0] * (p.shape[1] - num_selected(p.shape[1], cfg.topk_ratio))
+               for n, p in model.named_parameters() if n in ("up.weight", "down.weight"))
+    assert need == host * (12 + 2)
+    _capacity(monkeypatch, 10**12)
+    monkeypatch.setattr(F, "host_capacity_bytes", lambda: int(need / 0.9) - 1)
+    with pytest.raises(DoesNotFitError, match="of host memory"):
+        ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5)
+    monkeypatch.setattr(F, "host_capacity_bytes", lambda: int(need / 0.9) + 2)
+    ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5).close()
+    assert F.host_capacity_bytes.__name__  # (the real one reads /proc/meminfo)

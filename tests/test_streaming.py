@@ -291,3 +291,70 @@ def test_hf_trainer_moves_clipping_into_the_optimizer(tmp_path):
                    for p in model.parameters())
     finally:
         opt.close()
+
+
+def _ids(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, V, (n, 1), generator=g) + torch.arange(SEQ)) % V
+
+
+def test_accelerate_accumulation_streams_like_host_accumulation():
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    def run(stream):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        model = tiny_llama()
+        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=stream,
+                               max_grad_norm=1.0, **BASE)
+        loader = torch.utils.data.DataLoader(_ids(48), batch_size=4)
+        acc = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+        try:
+            p_model, p_opt, p_loader = acc.prepare(model, opt, loader)
+            for ids in p_loader:
+                with acc.accumulate(p_model):
+                    acc.backward(p_model(input_ids=ids, labels=ids).loss)
+                    p_opt.step()
+                    p_opt.zero_grad()
+            assert opt.stats()["steps"] == 6  # 12 micro-batches, 2 per step
+            opt.finish()
+            return [p.detach().clone() for p in model.parameters()]
+        finally:
+            opt.close()
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+    assert_same(run(False), run(True), "Accelerate, 2 micro-batches per step")
+
+
+def test_lightning_closure_streams_like_host_accumulation(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+
+    class Module(L.LightningModule):
+        def __init__(self, stream):
+            super().__init__()
+            self.net, self.stream = tiny_llama(), stream
+
+        def training_step(self, ids, i):
+            return self.net(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            self.opt = ZenFlowOptimizer(self.net.named_parameters(), lr=1e-2,
+                                        stream_grads=self.stream, **BASE)
+            return self.opt
+
+    def run(stream):
+        m = Module(stream)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=10, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0,
+                            default_root_dir=tmp_path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(m, torch.utils.data.DataLoader(_ids(40), batch_size=4))
+        m.opt.finish()
+        m.opt.close()
+        return [p.detach().clone() for p in m.net.parameters()]
+
+    assert_same(run(False), run(True), "Lightning, step(closure)")

@@ -9,8 +9,12 @@ What is counted is what the optimizer will hold on the device once every param h
 (``state``'s schema): a split matrix's ``k`` device-owned columns (fp32 moments, an fp32
 master for a low-precision param, the column indices), its window accumulator where
 ``accumulate_on="device"``, and a whole param's AdamW state (the dense set, 1-D params,
-small matrices). Activations, the framework's own buffers and the allocator's slack are
-not: a setting that passes can still run out of memory, one that fails cannot fit.
+small matrices); the gradients, whole, or with ``stream_grads`` what the hooks hold at most
+(``stream``). A fit leaves :data:`DEVICE_HEADROOM` of the device for the activations, the
+framework's buffers and the allocator's slack (the constructor cannot know the batch:
+``zenflow-tune predict`` counts the activations of a stated number of tokens). The host
+side (:func:`host_bytes`: master, moments, accumulator, outbox of the host-owned columns)
+is checked against the memory this machine has available.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ LEAN = dict(accumulate_on="host", dense_params=())
 """The settings that take the most optimizer state off the device: the window summed in
 host memory, every large matrix split (no dense set). ``accumulator_dtype`` does not change
 the device's share once the window is summed on the host."""
+STREAMED = dict(LEAN, stream_grads=True)
+""":data:`LEAN`, and the gradient streamed off the device during backward (``stream_grads``:
+training unchanged, but a matrix's ``.grad`` is gone after backward: clip with
+``max_grad_norm``): what a model whose gradient does not fit beside its params needs."""
+DEVICE_HEADROOM = 0.1
+"""The share of the device a fit leaves free (activations, the framework, the allocator)."""
+HOST_HEADROOM = 0.1
+"""The share of the host's available memory a fit leaves free."""
 
 FIT_CHOICES = ("check", "lean", "skip")
 
@@ -41,6 +53,10 @@ FIT_CHOICES = ("check", "lean", "skip")
 class DoesNotFitError(ValueError):
     """The params, their gradients and the optimizer's device state need more memory than
     the device has, with the settings given."""
+
+
+class StreamingRequired(DoesNotFitError):
+    """Only with the gradient streamed off the device (``stream_grads=True``) would it fit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +89,7 @@ def device_bytes(params: Iterable, config: ZenFlowConfig) -> DeviceBytes:
     param groups, as the optimizer takes them), their gradients (the params' dtype) and the
     optimizer's device-side state under ``config``."""
     par = grad = opt = 0
+    largest = 0.0
     for name, p in _named(params):
         if not p.requires_grad:
             continue
@@ -80,6 +97,7 @@ def device_bytes(params: Iterable, config: ZenFlowConfig) -> DeviceBytes:
         share = local(p).numel() / max(1, p.numel())
         size = p.numel() * p.element_size()
         master = 4 if p.dtype != torch.float32 else 0
+        kept = size  # its gradient on the device
         if classify(p, config, name) == MATRIX:
             rows, cols = shape2d(p)
             k = num_selected(cols, config.topk_ratio)
@@ -87,10 +105,47 @@ def device_bytes(params: Iterable, config: ZenFlowConfig) -> DeviceBytes:
             if config.accumulate_on == "device" and config.update_interval > 1:
                 itemsize = torch.empty(0, dtype=config.accumulator_torch_dtype).element_size()
                 mine += rows * (cols - k) * itemsize
+            if config.stream_grads:  # its device columns' buffer, its scores at a selection
+                kept = rows * k * p.element_size() + (cols * 4 if 0 < k < cols else 0)
+                largest = max(largest, size * share)
         else:
             mine = p.numel() * (8 + master)
-        par, grad, opt = par + size * share, grad + size * share, opt + mine * share
-    return DeviceBytes(int(par), int(grad), int(opt))
+        par, grad, opt = par + size * share, grad + kept * share, opt + mine * share
+    # streamed: a hook holds one gradient and the gather of its host columns at most
+    return DeviceBytes(int(par), int(grad + 2 * largest), int(opt))
+
+
+def host_bytes(params: Iterable, config: ZenFlowConfig) -> int:
+    """The host bytes the optimizer will hold for the trainable ``params``: per host-owned
+    element of a split matrix its fp32 master and two moments (``host_state_dtype``), the
+    window accumulator (``accumulate_on="host"``, a window of more than one step) and the
+    outbox of a low-precision param (the result's copy in its dtype)."""
+    moment = torch.empty(0, dtype=config.host_moment_dtype).element_size()
+    acc = torch.empty(0, dtype=config.accumulator_torch_dtype).element_size()
+    total = 0.0
+    for name, p in _named(params):
+        if not p.requires_grad or classify(p, config, name) != MATRIX:
+            continue
+        rows, cols = shape2d(p)
+        host = rows * (cols - num_selected(cols, config.topk_ratio))
+        per = 4 + 2 * moment + (p.element_size() if p.dtype != torch.float32 else 0)
+        if config.accumulate_on == "host" and config.update_interval > 1:
+            per += acc
+        total += host * per * local(p).numel() / max(1, p.numel())
+    return int(total)
+
+
+def host_capacity_bytes() -> int | None:
+    """The memory this machine has available now (``MemAvailable`` of /proc/meminfo), or
+    None where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def device_capacity_bytes(device: torch.device) -> int | None:
@@ -116,32 +171,60 @@ def check(params: list, config: ZenFlowConfig, fit: str = "check") -> dict:
     if fit == "skip" or not tensors:
         return {}
     device = tensors[0].device
-    has = device_capacity_bytes(device)
-    if has is None:
+    capacity = device_capacity_bytes(device)
+    if capacity is None:
         return {}
+    has = capacity * (1 - DEVICE_HEADROOM)
     need = device_bytes(params, config)
     if need.total <= has:
+        check_host(params, config)
         return {}
-    lean_cfg = config.replace(**LEAN)
-    lean = device_bytes(params, lean_cfg)
     text = (f"these settings need {_gb(need.total)} of device memory before activations (params "
             f"{_gb(need.params)}, gradients {_gb(need.grads)}, optimizer state "
-            f"{_gb(need.optimizer)}); {device} has {_gb(has)}")
-    if lean.total <= has:
-        if fit == "lean":
-            return dict(LEAN)
-        raise DoesNotFitError(
-            f"{text}. accumulate_on='host', dense_params=() would need {_gb(lean.total)}: "
-            f"pass them as overrides, or fit='lean' to take them when needed "
-            f"(their quality: docs/quality.md, 'The lean settings')")
-    floor = need.params + need.grads
+            f"{_gb(need.optimizer)}); {device} has {_gb(capacity)}, {_gb(has)} of it for these "
+            f"({DEVICE_HEADROOM:.0%} left for activations and the allocator)")
+    for changes, how in ((LEAN, "their quality: docs/quality.md, 'The lean settings'"),
+                         (STREAMED, "training is unchanged by streaming, but a matrix's .grad "
+                                    "is gone after backward: clip with max_grad_norm; "
+                                    "docs/design.md, 'Gradient streaming'")):
+        if all(getattr(config, k) == v for k, v in changes.items()):
+            continue
+        lean = device_bytes(params, config.replace(**changes))
+        if lean.total <= has:
+            named = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+            if fit == "lean":
+                check_host(params, config.replace(**changes))
+                return dict(changes)
+            error = StreamingRequired if changes is STREAMED else DoesNotFitError
+            raise error(f"{text}. {named} would need {_gb(lean.total)}: pass them as "
+                        f"overrides, or fit='lean' to take them when needed ({how})")
+    streamed = device_bytes(params, config.replace(**STREAMED))
+    floor = streamed.params + streamed.grads
     if floor > has:
-        raise DoesNotFitError(f"{text}: the params and gradients alone are {_gb(floor)}; "
+        raise DoesNotFitError(f"{text}: the params and the gradients in flight alone are "
+                              f"{_gb(floor)} even with the gradient streamed off the device; "
                               "no optimizer setting makes this model fit one such device "
                               "(shard it with FSDP2 over more devices)")
-    raise DoesNotFitError(f"{text}; even accumulate_on='host', dense_params=() need "
-                          f"{_gb(lean.total)}: lower topk_ratio (the device keeps the state "
-                          "of that share of each matrix's columns)")
+    raise DoesNotFitError(f"{text}; even accumulate_on='host', dense_params=(), "
+                          f"stream_grads=True need {_gb(streamed.total)}: lower topk_ratio "
+                          "(the device keeps the state of that share of each matrix's "
+                          "columns)")
+
+
+def check_host(params: list, config: ZenFlowConfig) -> None:
+    """DoesNotFitError where the optimizer's host state (:func:`host_bytes`) exceeds what
+    this machine has available, less :data:`HOST_HEADROOM`."""
+    has = host_capacity_bytes()
+    if has is None:
+        return
+    need = host_bytes(params, config)
+    if need > has * (1 - HOST_HEADROOM):
+        raise DoesNotFitError(
+            f"these settings need {_gb(need)} of host memory for the host-owned columns "
+            f"(fp32 master, moments, accumulator, outbox); this machine has {_gb(has)} "
+            f"available ({HOST_HEADROOM:.0%} kept free): host_state_dtype='bfloat16' and "
+            "accumulator_dtype='bfloat16' halve the moments and the sum, a higher "
+            "topk_ratio keeps more columns on the device; fit='skip' to go on anyway")
 
 
 def fitted(params: Iterable, config: ZenFlowConfig, fit: str = "check"
@@ -168,4 +251,11 @@ def profile_settings(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
     them."""
     from .profiles import load_profile  # lazy: profiles are not needed otherwise
 
-    return {**load_profile(name).settings, **overrides}
+    settings = {**load_profile(name).settings, **overrides}
+    if settings.get("stream_grads") and "stream_grads" not in overrides:
+        warnings.warn(f"profile {name!r} streams the gradients off the device during backward "
+                      "(stream_grads=True: the model's gradient does not fit beside its params "
+                      "there): a matrix's .grad is None after backward, so clip with "
+                      "max_grad_norm=..., not clip_grad_norm_ (docs/design.md, 'Gradient "
+                      "streaming'); stream_grads=False overrides it", UserWarning, stacklevel=3)
+    return settings

@@ -131,7 +131,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         try:
             return cls(params, lr=lr, **profile_settings(name, overrides))
         except DoesNotFitError as e:
-            raise DoesNotFitError(f"profile {name!r}: {e}") from None
+            raise type(e)(f"profile {name!r}: {e}") from None
 
     @property
     def backend(self) -> str:

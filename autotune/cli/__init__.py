@@ -122,6 +122,7 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--model", help="modelled objective: " + MODEL_HELP)
     r.add_argument("--device-memory-gb", type=float, default=None,
                    help="modelled objective: " + MEMORY_HELP)
+    r.add_argument("--host-memory-gb", type=float, default=None, help=HOST_MEMORY_HELP)
     r.add_argument("--gpus", type=_pos_int, default=1,
                    help="modelled objective: data-parallel GPUs (default 1)")
     r.add_argument("--tokens", type=_pos_int, default=None,
@@ -194,6 +195,11 @@ def _add_inspect_parsers(sub: Any) -> None:
     pl.add_argument("--out", help="output directory (default: <data dir>/plots/<study>)")
 
 
+HOST_MEMORY_HELP = ("the host's memory in GB, shared by the node's GPU processes: a fit "
+                    "must leave 10%% of it free (default: unknown, not checked; "
+                    "'zenflow-tune detect' shows this machine's)")
+
+
 def _add_predict_parser(sub: Any) -> None:
     pr = sub.add_parser("predict", help="model one training step per mode on a hardware "
                                         "profile (a prediction, not a measurement)",
@@ -205,6 +211,7 @@ def _add_predict_parser(sub: Any) -> None:
     pr.add_argument("--profile", required=True, help=PROFILE_HELP)
     pr.add_argument("--model", required=True, help=MODEL_HELP)
     pr.add_argument("--device-memory-gb", type=float, default=None, help=MEMORY_HELP)
+    pr.add_argument("--host-memory-gb", type=float, default=None, help=HOST_MEMORY_HELP)
     pr.add_argument("--gpus", type=_pos_int, default=1, help="data-parallel GPUs (default 1)")
     pr.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
                     help="ddp: every GPU holds the whole model (default); fsdp2: "
@@ -214,10 +221,16 @@ def _add_predict_parser(sub: Any) -> None:
                     help="tokens per GPU per optimizer step (default 4096)")
     pr.add_argument("--mfu", type=float, default=None,
                     help="model FLOP utilisation in (0, 1] (default 0.4)")
+    pr.add_argument("--no-recompute", action="store_true",
+                    help="count the activations of a step without activation recompute "
+                         "(default: full recompute, as a 7-8B fine-tune on one card runs)")
     pr.add_argument("--topk-ratio", type=float, default=None,
                     help="ZenFlow topk_ratio (default: the profile's)")
     pr.add_argument("--update-interval", type=_pos_int, default=None,
                     help="ZenFlow update_interval (default: the profile's)")
+    pr.add_argument("--stream-grads", action="store_true", default=None,
+                    help="ZenFlow stream_grads: gradients leave the device during backward "
+                         "(default: the profile's, else off)")
     pr.add_argument("--accumulate-on", choices=("device", "host"), default=None,
                     help="ZenFlow accumulate_on (default: the profile's, else device)")
     pr.add_argument("--select-interval", type=_pos_int, default=None,

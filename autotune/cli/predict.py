@@ -21,13 +21,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.resident_fraction is not None and not 0 <= args.resident_fraction <= 1:
         raise UsageError(f"--resident-fraction must be in [0, 1], got {args.resident_fraction}")
     try:  # unknown: ProfileNotFoundError names the known ones
-        prof = MD.profile_of(args.profile, args.device_memory_gb)
+        prof = MD.profile_of(args.profile, args.device_memory_gb, args.host_memory_gb)
     except MD.ModelledError as e:
-        raise UsageError(f"--device-memory-gb: {e}") from None
+        raise UsageError(f"--device-memory-gb / --host-memory-gb: {e}") from None
     measured = detect.measure_host_adam() if args.measure_host else None
     hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=measured)
     wl = M.Workload.from_spec(args.model, tokens=args.tokens or M.DEFAULT_TOKENS,
                               mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
+    wl = wl.replace(recompute=not args.no_recompute)
     settings, overrides = _settings(args, prof.settings)
     cfg = M.zenflow_config(settings, **overrides)
     preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding,
@@ -55,6 +56,7 @@ def _settings(args: argparse.Namespace,
                                    ("select_interval", args.select_interval),
                                    ("apply_delay", args.apply_delay),
                                    ("accumulate_on", args.accumulate_on),
+                                   ("stream_grads", args.stream_grads),
                                    ("dense_params", None if args.dense_params is None
                                     else tuple(args.dense_params))) if v is not None}
     # a profile's select_interval and apply_delay belong to its update_interval
@@ -77,12 +79,15 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
     print(f"zenflow: topk_ratio={cfg.topk_ratio}, update_interval={cfg.update_interval}, "
           f"overlap={cfg.overlap}, apply_delay={cfg.effective_apply_delay}, "
           f"accumulate_on={cfg.accumulate_on!r}, "
-          f"dense_params={cfg.dense_params!r}. Memory excludes "
-          "activations. docs/stepmodel.md has the formulas.")
+          f"stream_grads={cfg.stream_grads}, dense_params={cfg.dense_params!r}. Device "
+          f"memory counts the activations of {wl.tokens} tokens "
+          f"({'full recompute' if wl.recompute else 'no recompute'}, fp32 logits) and a fit "
+          f"leaves {M.DEVICE_HEADROOM:.0%} free; docs/stepmodel.md has the formulas.")
     print()
     print(M.markdown_table(shown))
     notes = [f"{m}: {n}" for m, p in shown.items() for n in p.notes]
     notes += _what_fits(args, hw, wl, cfg, shown["zenflow"])
+    notes += M.published_peers(hw, wl)
     if notes:
         print()
         for n in notes:
@@ -99,10 +104,14 @@ def _what_fits(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: An
         return []
     gb = hw.device_memory_bytes / 1e9
     floor = M.params_and_grads_bytes(wl, gpus=args.gpus, sharding=args.sharding) / 1e9
-    if floor > gb:
-        return [f"nothing fits: the params and gradients alone ({wl.dtype}) need {floor:.1f} "
-                f"GB of the device's {gb:.0f} GB, before any optimizer state or activations; "
-                "shard them (--gpus N --sharding fsdp2) or take a larger card"]
+    usable = hw.usable_device_bytes / 1e9
+    if floor > usable:
+        out = [f"nothing fits: the params ({wl.dtype}), two buckets of the largest matrix's "
+               f"gradient and the activations of {wl.tokens} tokens alone need {floor:.1f} "
+               f"GB of the device's {usable:.1f} usable GB, before any optimizer state"]
+        smaller = _fewer_tokens(args, hw, wl, cfg)
+        return out + ([smaller] if smaller else [
+            "shard them (--gpus N --sharding fsdp2) or take a larger card"])
     best = M.fitting_zenflow(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
     if best is None:
         return [f"no leaner ZenFlow setting fits {gb:.0f} GB (params and gradients: "
@@ -112,3 +121,28 @@ def _what_fits(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: An
             f"{best.step_time_s:.3f} s/step, {best.device_memory_bytes / 1e9:.1f} GB device, "
             f"{best.host_memory_bytes / 1e9:.1f} GB host (a prediction; the quality of these "
             "settings: docs/quality.md)"]
+
+
+def _fewer_tokens(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload,
+                  cfg: Any) -> str | None:
+    """Where the activations of ``wl.tokens`` leave no room: the most tokens per step (halved
+    down to 256) at which a ZenFlow setting fits, with ZeRO-Offload's figures there (a
+    micro-batch that size, gradient accumulation for the batch)."""
+    tokens = wl.tokens // 2
+    while tokens >= 256:
+        w = wl.replace(tokens=tokens)
+        best = M.fitting_zenflow(hw, w, gpus=args.gpus, config=cfg, sharding=args.sharding)
+        if best is not None:
+            zero = M.predict(hw, w, "zero-offload", gpus=args.gpus, config=cfg,
+                             sharding=args.sharding)
+            changed = M.lean_changes(best, cfg)
+            zero_s = (f"{zero.step_time_s:.3f} s/step" if zero.fits else "does not fit")
+            return (f"fits at {tokens} tokens per step (micro-batches of that size, gradient "
+                    f"accumulation for the batch): zenflow with "
+                    f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}: "
+                    f"{best.step_time_s:.3f} s/step, {best.device_memory_bytes / 1e9:.1f} GB "
+                    f"device, {best.host_memory_bytes / 1e9:.1f} GB host; zero-offload there: "
+                    f"{zero_s}, {zero.device_memory_bytes / 1e9:.1f} GB device (a prediction; "
+                    "the quality of these settings: docs/quality.md)")
+        tokens //= 2
+    return None

@@ -86,7 +86,8 @@ def _check_measured_options(args: argparse.Namespace) -> None:
                                     ("--topk-grid", args.topk_grid),
                                     ("--interval-grid", args.interval_grid),
                                     ("--lean", args.lean != "auto"),
-                                    ("--device-memory-gb", args.device_memory_gb)) if v]
+                                    ("--device-memory-gb", args.device_memory_gb),
+                                    ("--host-memory-gb", args.host_memory_gb)) if v]
     if modelled_only:
         raise UsageError(f"{', '.join(modelled_only)}: only with --objective modelled")
     if args.save_as:
@@ -239,7 +240,8 @@ def run_modelled(args: argparse.Namespace) -> int:
     ``<profile>-<model>``, so a built-in is not shadowed by accident) unless ``--no-profile``."""
     _check_modelled_options(args)
     try:
-        prof, _ = MD.load_hardware(MD.profile_of(args.profile, args.device_memory_gb))
+        prof, _ = MD.load_hardware(MD.profile_of(args.profile, args.device_memory_gb,
+                                                 args.host_memory_gb))
     except ProfileNotFoundError as e:
         raise UsageError(f"--profile: {e}") from None
     except (MD.ModelledError, ProfileError) as e:

@@ -51,22 +51,26 @@ from __future__ import annotations
 
 from .inputs import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE,
                      DEFAULT_HOST_CORES_PER_ACCELERATOR, DEFAULT_MFU, DEFAULT_SEQ_LEN,
-                     DEFAULT_TOKENS, DEVICE_ADAMW_BYTES_PER_ELEMENT,
+                     DEFAULT_TOKENS, DEVICE_ADAMW_BYTES_PER_ELEMENT, DEVICE_HEADROOM,
                      HOST_ADAM_BYTES_PER_ELEMENT, HOST_MEMORY_EFFICIENCY, INDEX_BYTES, LANES,
                      MODES, PRESETS, SCRATCH_BYTES_PER_THREAD, SHARDINGS, Hardware, Layer,
                      ParamSpec, StepModelError, Workload, zenflow_config)
 from .timeline import Prediction, Segment
 from .step import (LEAN_CHOICES, fitting_zenflow, host_update_seconds, lean_changes,
                    params_and_grads_bytes, predict, predict_all, resident_that_fits)
-from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, calibration,
-                     calibration_table, markdown_table, plot_timelines)
+from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, PUBLISHED_PEERS,
+                     calibration, calibration_table, markdown_table, plot_timelines,
+                     published_peers)
+from .activations import activation_bytes
+from .modes import optimizer_state_bytes
 
 __all__ = [
     "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
     "Workload", "Segment", "Prediction", "predict", "predict_all", "host_update_seconds",
     "fitting_zenflow", "lean_changes", "resident_that_fits", "params_and_grads_bytes", "LEAN_CHOICES",
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",
-    "CALIBRATION_SOURCE", "CALIBRATION_ASSUMPTIONS",
+    "CALIBRATION_SOURCE", "CALIBRATION_ASSUMPTIONS", "PUBLISHED_PEERS", "published_peers",
+    "activation_bytes", "DEVICE_HEADROOM", "optimizer_state_bytes",
     "DEFAULT_MFU", "DEFAULT_TOKENS", "DEFAULT_SEQ_LEN",
     "DEFAULT_HOST_CORES_PER_ACCELERATOR", "DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE",
     "DEFAULT_ACCELERATORS_PER_NODE", "HOST_MEMORY_EFFICIENCY", "HOST_ADAM_BYTES_PER_ELEMENT",

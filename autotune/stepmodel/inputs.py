@@ -42,6 +42,9 @@ DEFAULT_MFU = 0.40
 """Model FLOP utilisation (PaLM's definition: model FLOPs, no recomputation, over peak)."""
 DEFAULT_TOKENS = 4096
 """Tokens per GPU per optimizer step (e.g. 2 sequences of 2048)."""
+DEVICE_HEADROOM = 0.1
+"""The share of device memory a fit leaves free: the CUDA context, the caching allocator's
+fragmentation, the framework's own buffers (a fit is never 39.6 GB of 40)."""
 DEFAULT_SEQ_LEN = 2048
 """Sequence length of the presets (for the attention FLOPs); capped at the tokens."""
 DEFAULT_HOST_CORES_PER_ACCELERATOR = 16
@@ -94,6 +97,8 @@ class Hardware:
     link_bandwidth: float | None               # B/s, each direction
     device_memory_bytes: float | None = None
     device_flops_fp32: float | None = None
+    host_memory_bytes: float | None = None
+    """The host's memory, shared by the node's GPU processes; None: unknown, not checked."""
     host_cores: int | None = None
     host_adam_elements_per_s: float | None = None
     accelerators_per_node: int | None = None
@@ -151,7 +156,8 @@ class Hardware:
                    link_bandwidth=link, device_memory_bytes=mem,
                    device_flops_fp32=num("fp32_tflops", 1e12), host_cores=cores,
                    host_adam_elements_per_s=rate, accelerators_per_node=apn,
-                   host_memory_bandwidth=num("host_memory_bandwidth_gb_s", 1e9), sources=src)
+                   host_memory_bandwidth=num("host_memory_bandwidth_gb_s", 1e9),
+                   host_memory_bytes=num("host_memory_gb", 1e9), sources=src)
 
     # -- derived -------------------------------------------------------------------------
     def processes_per_host(self, gpus: int) -> int:
@@ -196,6 +202,20 @@ class Hardware:
             if getattr(self, attr) is None:
                 out.append(key)
         return out
+
+    @property
+    def usable_host_bytes(self) -> float | None:
+        """What a fit may fill of the host's memory, less :data:`DEVICE_HEADROOM`."""
+        if self.host_memory_bytes is None:
+            return None
+        return self.host_memory_bytes * (1.0 - DEVICE_HEADROOM)
+
+    @property
+    def usable_device_bytes(self) -> float | None:
+        """What a fit may fill: the device memory less :data:`DEVICE_HEADROOM`."""
+        if self.device_memory_bytes is None:
+            return None
+        return self.device_memory_bytes * (1.0 - DEVICE_HEADROOM)
 
     def require_device(self) -> None:
         missing = self.missing_device_facts()
@@ -387,6 +407,9 @@ class Workload:
     dtype: str = "bfloat16"
     mfu: float = DEFAULT_MFU
     source: str = ""
+    recompute: bool = True
+    """Full activation recompute (checkpointing): what the activation memory assumes
+    (``activations.activation_bytes``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
@@ -577,5 +600,5 @@ def zenflow_config(config: Any = None, **overrides: Any):
 
 SETTING_KEYS = ("topk_ratio", "update_interval", "select_interval", "overlap", "apply_delay",
                 "accumulate_on", "accumulator_dtype", "host_state_dtype", "min_offload_numel",
-                "host_threads", "dense_params")
+                "host_threads", "dense_params", "stream_grads")
 """The ZenFlow settings a zenflow prediction reports (``Prediction.settings``)."""

@@ -30,6 +30,7 @@ from zenflow_triton.columns.selection import num_selected
 from .inputs import (DEVICE_ADAMW_BYTES_PER_ELEMENT, DTYPE_BYTES, HOST_ADAM_BYTES_PER_ELEMENT,
                      INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, STATE_SWAP_CHUNK_ELEMENTS,
                      Hardware, Workload)
+from .activations import activation_bytes
 from .timeline import Lanes, run_windows
 
 
@@ -108,11 +109,55 @@ def swap_chunks(c: Costs, resident: float) -> list[float]:
     return [total / n] * n
 
 
+def largest_matrix(wl: Workload, cfg: Any, dense: tuple[str, ...] | None = None) -> float:
+    """Elements of the largest offloaded matrix (``dense``: the dense set kept whole, by
+    default ``cfg``'s)."""
+    dense = cfg.dense_params if dense is None else dense
+    return float(max((p.numel for p in wl.params
+                      if p.is_matrix(cfg.min_offload_numel, dense)), default=0))
+
+
+def _gradients(mode: str, wl: Workload, c: Costs, cfg: Any) -> dict[str, float]:
+    """The gradient bytes resident on the device at their peak. AdamW and state-swap keep
+    the whole gradient; ZeRO-Offload and its variants stream it to the host bucket by
+    bucket during backward (two buckets of the largest matrix: one filling, one in flight);
+    ZenFlow with ``stream_grads`` keeps one matrix's gradient and the gather of its host
+    columns, its device columns' gradient and, at a selection, the column scores; the small
+    params keep theirs."""
+    b, d = c.b, c.shard
+    offloads = mode in ("zero-offload", "zero-offload-dpu", "overlapped-offload")
+    if not (offloads or (mode == "zenflow" and cfg.stream_grads)):
+        return {"grads": c.total * b / d}
+    out = {"grads of the small params": c.small * b / d}
+    if offloads:
+        out["gradient buckets (2 x the largest matrix)"] = 2 * largest_matrix(wl, cfg, ()) * b / d
+        return out
+    e_dev = zenflow_split(wl, cfg)[0]
+    cols = sum(p.cols for p in wl.params if p.is_matrix(cfg.min_offload_numel, cfg.dense_params))
+    out["streamed gradient (2 x the largest matrix)"] = 2 * largest_matrix(wl, cfg) * b / d
+    out["device columns' gradient"] = e_dev * b / d
+    if 0 < cfg.topk_ratio < 1:
+        out["column scores (at a selection)"] = cols * 4.0
+    return out
+
+
+NOT_OPTIMIZER_STATE = ("params", "grads", "gradient buckets", "streamed gradient",
+                       "device columns' gradient", "column scores", "activations", "logits")
+"""The prefixes of :func:`memory_use`'s device entries that are no optimizer state: the
+params, gradients and activations."""
+
+
+def optimizer_state_bytes(device: dict[str, float]) -> float:
+    """The optimizer state among :func:`memory_use`'s device entries."""
+    return sum(v for k, v in device.items() if not k.startswith(NOT_OPTIMIZER_STATE))
+
+
 def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
                resident: float = 0.0) -> dict[str, dict]:
     b, n, d = c.b, c.n_gpus, c.shard       # d: N under FSDP2 (this GPU's rows), else 1
     master = 12 if b < 4 else 8            # fp32 master (a bf16 param needs one), m, v
-    dev: dict[str, float] = {"params": c.total * b / d, "grads": c.total * b / d}
+    dev: dict[str, float] = {"params": c.total * b / d, **_gradients(mode, wl, c, cfg),
+                             **activation_bytes(wl, wl.recompute)}
     host: dict[str, float] = {}
     P = sum(c.matrix)
     s = DTYPE_BYTES[cfg.host_state_dtype]
@@ -307,6 +352,7 @@ class _ZenFlowTasks:
     B: float
     windowed: bool          # a window of several steps with host-owned elements
     on_host: bool           # accumulate_on="host"
+    streams: bool           # stream_grads: the host columns go down during backward
     selects: bool           # 0 < topk_ratio < 1: selections happen
     dev_update: float
     score: float
@@ -334,6 +380,7 @@ def _zenflow_tasks(c: Costs, K: int, e_dev: float, e_host: float, cfg: Any) -> _
     # under DDP every GPU does the whole device half and scatters every gathered row.
     return _ZenFlowTasks(
         h=h, F=sum(c.fwd), B=sum(c.bwd), windowed=windowed, on_host=on_host, selects=selects,
+        streams=bool(cfg.stream_grads) and h > 0,
         dev_update=(c.small + e_dev) / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm,
         score=(sum(c.matrix) / c.shard * g / c.Bm / cfg.effective_select_interval
                if selects else 0.0),
@@ -355,9 +402,11 @@ def _zenflow_body(z: _ZenFlowTasks, K: int, cfg: Any, prefetch_result: bool):
     def body(L: Lanes, w: int, i: int) -> float:
         state = L.marks
         start = L.free["device"]
-        L.run("device", z.F, "forward")
+        in_backward = L.run("device", z.F, "forward")
         L.run("device", z.B, "backward")
         t = L.run("device", z.dev_update, "selective AdamW (device)")
+        # streamed: each matrix's host columns leave as backward makes them
+        copy_from = in_backward if z.streams else None
         if z.score:
             t = L.run("device", z.score, "column scoring (amortised)")
         if z.acc:
@@ -365,7 +414,8 @@ def _zenflow_body(z: _ZenFlowTasks, K: int, cfg: Any, prefetch_result: bool):
                       [state.get("copy_in", 0.0)] if i == 0 else [])
         if z.on_host:
             t = L.run("device", z.gather, "gather host columns")
-            d = L.run("link-down", z.down_step, "grads down", [t])
+            d = L.run("link-down", z.down_step, "grads down",
+                      [t if copy_from is None else copy_from])
             state["last_add"] = L.run("host", z.host_add, "host accumulate", [d])
         if cfg.overlap and z.h > 0 and i == z.delay - 1 and "job_host_end" in state:
             # the apply point of the previous window: at its end, or apply_delay steps in
@@ -380,7 +430,8 @@ def _zenflow_body(z: _ZenFlowTasks, K: int, cfg: Any, prefetch_result: bool):
         if z.on_host:
             ready = state.get("last_add", 0.0)
         else:
-            ready = L.run("link-down", z.down_window, "grads down", [t])
+            ready = L.run("link-down", z.down_window, "grads down",
+                          [t if copy_from is None else copy_from])
             state["copy_in"] = ready
         hend = L.run("host", z.host_adam, "host AdamW", [ready])
         if cfg.overlap:

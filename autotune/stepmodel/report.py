@@ -260,3 +260,30 @@ def state_swap_calibration_table() -> str:
     for s in STATE_SWAP_SOURCES:
         lines.append(f"Assumptions for {s['source']}: {s['why']}.")
     return "\n".join(lines)
+
+
+PUBLISHED_PEERS = (
+    dict(name="torchtune full_finetune_single_device (llama3_1/8B_full_single_device.yaml)",
+         params_b=(7.0, 9.0), device_gb=(16, 32), peak_gib=18.9, tokens_per_s=1650.0,
+         card="RTX 4090",
+         what="bf16 params without an fp32 master, bnb paged 8-bit AdamW run inside "
+              "backward (no full gradient resident), no gradient accumulation, clipping off",
+         source="torchtune README, 'Memory and training speed' (Llama-3.1-8B, RTX 4090)"),
+)
+"""Peers with published figures and no graph of their own in the model: shown beside a
+prediction where the model size and the card's memory match (``published_peers``)."""
+
+
+def published_peers(hw: Hardware, wl: Workload) -> list[str]:
+    """Notes on the published peers that match ``wl``'s size and ``hw``'s memory."""
+    if hw.device_memory_bytes is None:
+        return []
+    gb, size = hw.device_memory_bytes / 1e9, wl.numel / 1e9
+    out = []
+    for p in PUBLISHED_PEERS:
+        if p["params_b"][0] <= size <= p["params_b"][1] and p["device_gb"][0] <= gb <= p["device_gb"][1]:
+            step = wl.tokens / p["tokens_per_s"]
+            out.append(f"peer (published, not modelled): {p['name']}: {p['peak_gib']} GiB peak "
+                       f"at {p['tokens_per_s']:g} tokens/s on an {p['card']}, "
+                       f"{step:.2f} s per {wl.tokens} tokens; {p['what']} ({p['source']})")
+    return out

@@ -12,6 +12,7 @@ from .inputs import (DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SETTING_KEYS, SH
                      Hardware, StepModelError, Workload, zenflow_config)
 from .modes import (adamw, gpu_costs, memory_use, overlapped_offload, state_bytes, state_swap,
                     zenflow, zenflow_split, zero_offload, zero_offload_dpu)
+from .activations import activation_bytes
 from .timeline import Prediction, steady_window
 
 
@@ -92,10 +93,19 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     mem = memory_use(mode, wl, c, cfg, threads, resident_fraction)
     dev_bytes = int(round(sum(mem["device"].values())))
     host_bytes = int(round(sum(mem["host"].values())))
-    fits = hw.device_memory_bytes is None or dev_bytes <= hw.device_memory_bytes
-    if not fits:
-        notes.append(f"does not fit: needs {dev_bytes / 1e9:.1f} GB of device memory, the "
-                     f"device has {hw.device_memory_bytes / 1e9:.0f} GB")
+    dev_fits = hw.device_memory_bytes is None or dev_bytes <= hw.usable_device_bytes
+    if not dev_fits:
+        notes.append(f"does not fit: needs {dev_bytes / 1e9:.1f} GB of device memory "
+                     f"(activations of {wl.tokens} tokens included), the device has "
+                     f"{hw.device_memory_bytes / 1e9:.0f} GB, {hw.usable_device_bytes / 1e9:.1f} "
+                     "usable")
+    node_host = host_bytes * procs  # the node's GPU processes share its memory
+    host_fits = hw.host_memory_bytes is None or node_host <= hw.usable_host_bytes
+    if not host_fits:
+        notes.append(f"does not fit the host: {procs} process(es) need {node_host / 1e9:.1f} GB "
+                     f"of host memory, the host has {hw.host_memory_bytes / 1e9:.0f} GB, "
+                     f"{hw.usable_host_bytes / 1e9:.1f} usable")
+    fits = dev_fits and host_fits
     return Prediction(
         mode=mode, step_time_s=step if fits else None,
         stall_fraction=max(0.0, stall) if fits else None,
@@ -127,7 +137,7 @@ def resident_that_fits(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any
     none = predict(hw, wl, "state-swap", gpus=gpus, config=cfg, sharding=sharding,
                    resident_fraction=0.0)
     state = none.host_memory_bytes  # all of this GPU's Adam state, streamed
-    room = hw.device_memory_bytes - none.device_memory_bytes
+    room = hw.usable_device_bytes - none.device_memory_bytes
     if state <= 0:
         return 1.0
     return max(0, min(100, int(100 * room / state))) / 100
@@ -144,10 +154,12 @@ def host_update_seconds(hw: Hardware, wl: Workload, *, gpus: int = 1, config: An
 
 
 LEAN_CHOICES = dict(accumulate_on=("device", "host"), accumulator_dtype=("float32", "bfloat16"),
-                    dense_params=(None, ()), topk_ratio=(None, 0.05, 0.02, 0.01))
+                    dense_params=(None, ()), topk_ratio=(None, 0.05, 0.02, 0.01),
+                    stream_grads=(None, True))
 """What :func:`fitting_zenflow` may change to make ZenFlow fit, from the settings given
 (``None``: keep the given value): where and in which dtype the window is summed, the dense
-set, the share of columns whose state the device keeps."""
+set, the share of columns whose state the device keeps, and whether the gradient streams to
+the host during backward (training unchanged; it implies accumulate_on="host")."""
 
 
 def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
@@ -167,7 +179,8 @@ def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = 
         if p.fits:
             given_up = (cfg.topk_ratio - c.topk_ratio, c.dense_params != cfg.dense_params,
                         c.accumulator_dtype != cfg.accumulator_dtype,
-                        c.accumulate_on != cfg.accumulate_on, p.step_time_s)
+                        c.accumulate_on != cfg.accumulate_on,
+                        c.stream_grads != cfg.stream_grads, p.step_time_s)
             ranked.append((given_up, p))
     return min(ranked, key=lambda r: r[0])[1] if ranked else None
 
@@ -180,7 +193,10 @@ def lean_changes(lean: Prediction, config: Any = None) -> dict[str, Any]:
 
 
 def params_and_grads_bytes(wl: Workload, *, gpus: int = 1, sharding: str = "ddp") -> int:
-    """What no optimizer mode can offload: each GPU's params and gradients (in the model's
-    dtype; 1/N of them under FSDP2)."""
+    """What no optimizer mode can offload: each GPU's params (in the model's dtype; 1/N of
+    them under FSDP2), two buckets of its largest matrix's gradient and the step's
+    activations (``activations``): the floor of a mode that streams gradients off."""
     share = gpus if sharding == "fsdp2" else 1
-    return int(2 * wl.numel * wl.param_bytes / share)
+    largest = max((p.numel for p in wl.params if len(p.shape) == 2), default=0)
+    acts = sum(activation_bytes(wl, wl.recompute).values())
+    return int((wl.numel + 2 * largest) * wl.param_bytes / share + acts)
