@@ -615,10 +615,13 @@ def _nothing_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any
     need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
     has = (hw.device_memory_bytes or 0) / 1e9
     text = (f"no grid point fits: {wl.name} needs at least {need:.1f} GB of device memory "
-            f"(before activations; host accumulation tried); {hw.name} has {has:.0f} GB")
+            f"(activations of {wl.tokens} tokens included; host accumulation and gradient "
+            f"streaming tried); {hw.name} has {has:.0f} GB, "
+            f"{(hw.usable_device_bytes or 0) / 1e9:.1f} usable")
     floor = M.params_and_grads_bytes(wl, gpus=gpus) / 1e9
-    if floor > has:
-        return text + f": its params and gradients alone are {floor:.1f} GB"
+    if floor > (hw.usable_device_bytes or 0) / 1e9:
+        return text + (f": its params, two buckets of its largest gradient and the "
+                       f"activations alone are {floor:.1f} GB (fewer tokens per step: --tokens)")
     cfg = M.zenflow_config(base)
     lean = M.fitting_zenflow(hw, wl, gpus=gpus, config=cfg)
     if lean is None:
@@ -753,13 +756,15 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
 
 def device_side(settings: dict[str, Any]) -> str:
     """What of a row's settings decides its device memory: the dense set kept (``dense``) or
-    not (``lean``), the window summed on the ``host`` or device, in bf16 or fp32."""
+    not (``lean``), the window summed on the ``host`` or device, in bf16 or fp32, and the
+    gradient streamed off the device during backward (``stream``)."""
     dense = "lean" if settings.get("dense_params") == () else "dense"
+    stream = " stream" if settings.get("stream_grads") else ""
     if settings.get("update_interval", 2) <= 1:
-        return dense  # no window to sum
+        return dense + stream  # no window to sum
     acc = "bf16" if settings.get("accumulator_dtype") == "bfloat16" else "fp32"
     where = "host" if settings.get("accumulate_on") == "host" else "dev"
-    return f"{dense} {where}-{acc}"
+    return f"{dense} {where}-{acc}{stream}"
 
 
 def guard_line(store: QualityStore) -> str:

@@ -1,6 +1,7 @@
 """The README's "Fit my GPU" table: for Llama-3-8B and Qwen2.5-7B on a 24, a 40 and an 80 GB
-card, the setting the modelled tuner picks (``zenflow-tune run --objective modelled``), its
-device and host memory, its modelled step against ZeRO-Offload and state-swap (as much Adam
+card, the setting the modelled tuner picks (``zenflow-tune run --objective modelled``) at
+4096 tokens per step (fewer where the activations leave no room), its device memory
+(activations counted, 10% left free) and host memory, its modelled step against ZeRO-Offload and state-swap (as much Adam
 state resident as fits), and the measured quality of that setting's class on the
 convergence workloads (``bench/convergence/data/convergence.json``); or why nothing fits.
 
@@ -56,21 +57,27 @@ def class_quality(rows: list[dict], optimizer: str) -> str:
 
 
 def row(card: str, profile: str, memory: float | None, model: str, quality_rows) -> str:
+    """The tuner's pick at 4096 tokens per step, or, where the activations leave no room, at
+    the most tokens (halved down to 1024) at which one fits."""
     prof = MD.profile_of(profile, memory)
     hw = M.Hardware.from_profile(prof)
-    wl = M.Workload.from_spec(model)
-    floor = M.params_and_grads_bytes(wl) / 1e9
-    has = hw.device_memory_bytes / 1e9
+    head = f"| {model} | {card} |"
+    out = why = None
+    for tokens in (4096, 2048, 1024):
+        wl = M.Workload.from_spec(model, tokens=tokens)
+        floor = M.params_and_grads_bytes(wl) / 1e9
+        if floor > hw.usable_device_bytes / 1e9:
+            why = (f"does not fit: bf16 params, gradient buckets and activations of {tokens} "
+                   f"tokens alone are {floor:.1f} GB")
+            continue
+        out = MD.run_modelled(profile=prof, model=model, tokens=tokens, log=lambda s: None)
+        if out.best is not None:
+            break
+        why = f"no setting fits or passes the guard ({'; '.join(out.notes)})"
+    if out is None or out.best is None:
+        return head + f" {why} | - | - | - | - | - |"
     swap = M.predict(hw, wl, "state-swap")
     zo = M.predict(hw, wl, "zero-offload")
-    head = f"| {model} | {card} |"
-    if floor > has:
-        return (head + f" does not fit: bf16 params and gradients alone are {floor:.1f} GB | "
-                "- | - | - | - | - |")
-    out = MD.run_modelled(profile=prof, model=model, log=lambda s: None)
-    if out.best is None:
-        return head + f" no setting fits or passes the guard ({'; '.join(out.notes)}) | " \
-            "- | - | - | - | - |"
     b = out.best
     s = b.settings
     side = MD.device_side(s)
@@ -81,7 +88,8 @@ def row(card: str, profile: str, memory: float | None, model: str, quality_rows)
         return (f"{p.modelled_step_time_s / step:.2f}x ({p.modelled_step_time_s:.2f} s)"
                 if p.fits else "does not fit")
 
-    return (head + f" {s['topk_ratio']:g} x {s['update_interval']}, {side} | "
+    return (head + f" {s['topk_ratio']:g} x {s['update_interval']}, {side}, {wl.tokens} "
+            f"tokens | "
             f"{b.prediction.device_memory_bytes / 1e9:.1f} / "
             f"{b.prediction.host_memory_bytes / 1e9:.0f} | {step:.2f} | {vs(zo)} | {vs(swap)} | "
             f"{cls}: {class_quality(quality_rows, CLASSES[cls])} |")
@@ -93,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with open(args.convergence) as f:
         rows = json.load(f)
-    print("| model | card | tuner's setting (topk x interval, device side) | device / host GB "
+    print("| model | card | tuner's setting (topk x interval, device side, tokens per step) "
+          "| device / host GB "
           "| step s (model) | ZeRO-Offload step (x ZenFlow's) | state-swap step (x ZenFlow's) "
           "| measured quality of the class, loss vs AdamW (nats) / accuracy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

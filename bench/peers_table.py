@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--tokens", type=int, default=4096)
     args = ap.parse_args(argv)
-    print(f"{args.model}; memory before activations; the profile's ZenFlow settings (made "
-          "leaner where they do not fit)")
+    print(f"{args.model}; device memory with the activations of the tokens (full recompute, "
+          "fp32 logits) and 10% left free; the profile's ZenFlow settings (made leaner where "
+          "they do not fit)")
     print()
     print("| profile | GPUs | tokens/GPU | link GB/s | ZenFlow step | strongest peer that fits | "
           "peer / ZenFlow | faster |")

@@ -119,7 +119,7 @@ def test_training_loop_warms_up_clips_evaluates_and_counts_host_windows(zenflow)
         assert out["host_windows"] >= 5  # 12 steps, windows of 2
     rows = [dict(workload="minilm", optimizer="adamw" if zenflow is None else "zenflow",
                  seed=0, **out)]
-    assert "| minilm |" in study.report(rows)
+    assert "| minilm @ lr 0.01 |" in study.report(rows)  # not the workload's own lr
 
 
 def test_a_rising_loss_counts_as_diverged():
@@ -152,3 +152,16 @@ def test_smollm2_second_text_is_the_bbc_articles_in_a_fixed_order():
     assert a == b and len(a) > 200_000 and "\n\n" in a
     with pytest.raises(WorkloadError, match="corpus"):
         smollm2(corpus="no-such-text")
+
+
+def test_the_report_compares_each_learning_rate_with_adamw_at_that_rate():
+    def r(opt, lr, loss, seed=0):
+        return dict(workload="minilm-tweets", optimizer=opt, seed=seed, lr=lr, seconds=1.0,
+                    diverged=False, final={"loss": loss, "accuracy": 0.5})
+    rows = [r("adamw", 5e-5, 0.50), r("zenflow-adaptive-dense", 5e-5, 0.52),
+            r("adamw", 1e-4, 0.40), r("zenflow-adaptive-dense", 1e-4, 0.47)]
+    text = study.report(rows)
+    own = [line for line in text.splitlines() if line.startswith("| minilm-tweets |")]
+    swept = [line for line in text.splitlines() if "@ lr 0.0001" in line]
+    assert len(own) == 2 and len(swept) == 2
+    assert "+0.0200" in own[1] and "+0.0700" in swept[1]

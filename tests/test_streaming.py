@@ -358,3 +358,21 @@ def test_lightning_closure_streams_like_host_accumulation(tmp_path):
         return [p.detach().clone() for p in m.net.parameters()]
 
     assert_same(run(False), run(True), "Lightning, step(closure)")
+
+
+def test_grad_scaler_is_refused_with_the_reason_and_works_without_streaming():
+    def attempt(stream):
+        model = mlp()
+        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=stream, **BASE)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(next(batches(model))(model)).backward()
+        try:
+            scaler.step(opt)
+            scaler.update()
+            return opt.stats()["steps"]
+        finally:
+            opt.close()
+
+    assert attempt(False) == 1
+    with pytest.raises(StreamingError, match="GradScaler .* not supported with stream_grads"):
+        attempt(True)

@@ -137,6 +137,11 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
     def backend(self) -> str:
         return self._backend
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """What ``GradScaler.step`` asks first: with ``stream_grads`` it refuses, saying why."""
+        return self._stream.refuse_grad_scaler()
+
     # ------------------------------------------------------------------ the step
     # Not for torch.compile: a step waits on host threads and reads host-side schedules, which
     # Dynamo would trace into, graph-break on and recompile at every step count; the device

@@ -129,6 +129,17 @@ class GradStream:
             if p.requires_grad and kind_of(p) == MATRIX:
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
+    def refuse_grad_scaler(self) -> bool:
+        """StreamingError when streaming (``GradScaler.step`` asks this first); else False:
+        without streaming the scaler unscales ``.grad`` as for any optimizer."""
+        if self.active:
+            raise StreamingError(
+                "GradScaler (fp16 loss scaling) is not supported with stream_grads: it unscales "
+                "and checks .grad after backward, but the hooks have already sent the matrices' "
+                "gradients (still scaled) away; train in bfloat16 (no scaler needed) or leave "
+                "stream_grads off")
+        return False
+
     def remove(self) -> None:
         """Take the hooks off (close()): gradients then stay in ``.grad``."""
         self.active = False
