@@ -50,6 +50,11 @@ WORKLOADS = {  # name: (lr, steps, eval_every, builder options[, run options])
     # 300 steps, 30 warm-up steps then a linear decay to zero; not in the default list
     "minilm-tweets": (5e-5, 300, 50, dict(seq_len=64, batch_size=16),
                       dict(schedule="linear")),
+    # issue 50: a 3-layer encoder with a new pooler and head, lr 1e-4, the tweets' recipe
+    "minilm3-tweets": (1e-4, 300, 50, dict(seq_len=64, batch_size=16),
+                       dict(schedule="linear")),
+    "minilm3-bbc": (1e-4, 200, 25, dict(seq_len=64, batch_size=16),
+                    dict(schedule="linear")),
 }
 GOALS = {"loss": 0.015, "accuracy": 0.015}  # the shipped defaults vs AdamW, mean of seeds
 
