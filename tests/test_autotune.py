@@ -479,10 +479,11 @@ def test_two_processes_share_one_new_study(dirs):
                                   ["run", "--workload", "no_such_module_xyz:f"],
                                   ["run", "--steps", "5", "--skip-steps", "5"],
                                   ["run", "--profile", "Bad/Name"]])
-def test_cli_usage_errors_exit_1_with_help(argv, dirs, capsys):
+def test_cli_usage_errors_exit_1_with_one_line_and_a_pointer_to_help(argv, dirs, capsys):
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
-    assert "usage:" in err and "error:" in err
+    assert "error:" in err and "--help)" in err and "usage:" not in err
+    assert len(err.strip().splitlines()) == 2, err
 
 
 def test_cli_unknown_profile_names_closest_match(dirs, capsys):

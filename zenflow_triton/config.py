@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union, get_args
 
@@ -318,6 +319,13 @@ def check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
     included: torch's AdamW without fused/capturable refuses it too)."""
     if isinstance(lr, torch.Tensor):
         raise ValueError(f"{where}: lr as a Tensor is not supported; give a float")
+    for field, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        _number(where, field, value)
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__"):
+        raise TypeError(f"{where}: betas must be two numbers in [0, 1), e.g. (0.9, 0.999); "
+                        f"got {betas!r}")
+    for b in betas:
+        _number(where, "betas", b)
     if not 0.0 <= lr:
         raise ValueError(f"{where}: lr must be >= 0, got {lr}")
     if not 0.0 <= eps:
@@ -326,6 +334,15 @@ def check_hyper(lr, betas, eps, weight_decay, where: str) -> None:
         raise ValueError(f"{where}: betas must be two values in [0, 1), got {betas}")
     if not 0.0 <= weight_decay:
         raise ValueError(f"{where}: weight_decay must be >= 0, got {weight_decay}")
+
+
+def _number(where: str, field: str, value: Any) -> None:
+    """TypeError naming the field where an AdamW hyperparameter is not a real number (a
+    string from a YAML or JSON config included: torch's AdamW would fail on a comparison)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = (f" (a string: write {value} without quotes, or float({value!r}))"
+                if isinstance(value, str) else "")
+        raise TypeError(f"{where}: {field} must be a number, got {value!r}{hint}")
 
 
 def _check_number(name: str, value: Any, kind: type, *, lo: float | None = None,

@@ -1,6 +1,6 @@
 """``zenflow-tune``: a thin CLI over :mod:`autotune` and :mod:`zenflow_triton.profiles`.
 
-Exit codes: 0 success; 1 usage error (bad options: message and help); 2 runtime failure
+Exit codes: 0 success; 1 usage error (bad options: the message and a pointer to --help); 2 runtime failure
 (message on stderr); 130 interrupted (rerun the same command to continue the study).
 
 This file holds the parser, :func:`main` and the option handling the commands share; each
@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from ..defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
 from ..names import code_key  # noqa: F401  (part of a default study name; tests use it here)
+from ..stepmodel.inputs import PRESETS as PRESET_NAMES
 
 EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -37,18 +38,32 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on a usage error; we print the help and exit 1 (2 = runtime)."""
+    """argparse exits 2 on a usage error; we print the error, a pointer to ``--help``, and
+    exit 1 (2 = runtime)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_help(sys.stderr)
-        sys.stderr.write(f"\n{self.prog}: error: {message}\n")
+        usage_error(self.prog, message)
         raise SystemExit(EXIT_USAGE)
+
+
+def usage_error(prog: str, message: str) -> None:
+    """A usage error's two lines: what is wrong, and where the options are listed."""
+    sys.stderr.write(f"{prog}: error: {message}\n(all options: {prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("zenflow-triton")
+    except PackageNotFoundError:  # run from a checkout without an install
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="zenflow-tune",
                 description="Tune ZenFlowOptimizer settings for this hardware with Optuna and "
                             "save them as a profile for ZenFlowOptimizer.from_profile().")
+    p.add_argument("--version", action="version", version=f"zenflow-tune {_version()}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     _add_run_parser(sub)
     _add_inspect_parsers(sub)
@@ -102,10 +117,9 @@ def _add_run_parser(sub: Any) -> None:
     r.add_argument("--verbose", action="store_true", help="Optuna's own log lines too")
 
 
-MODEL_HELP = ("a model preset (llama2-7b, llama2-13b, llama3-8b, llama3-70b, mistral-7b, "
-              "qwen2.5-3b, qwen2.5-7b, opt-350m), a path to an HF config.json or a folder "
-              "holding one (built on the meta device, nothing downloaded), or module:function "
-              "returning a torch.nn.Module")
+MODEL_HELP = ("a model preset (%s), a path to an HF config.json or a folder holding one "
+              "(built on the meta device, nothing downloaded), or module:function returning a "
+              "torch.nn.Module" % ", ".join(sorted(PRESET_NAMES)))
 PROFILE_HELP = ("hardware profile: a name (zenflow-tune list) or a path to a profile's JSON (a "
                 "card of your own: zenflow-tune show NAME --json > my.json, edit its hardware)")
 MEMORY_HELP = ("the card's device memory in GB, overriding the profile's (a memory variant, "
@@ -334,13 +348,6 @@ def print_use_it(profile: str, lr: str) -> None:
     print(f'    opt = ZenFlowOptimizer.from_profile("{profile}", model.named_parameters(), lr={lr})')
 
 
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices.get(name)
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -348,17 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # usage error (1) or --help (0)
         return int(e.code or 0)
     if args.command is None:
-        parser.print_help(sys.stderr)
-        sys.stderr.write("\nzenflow-tune: error: a command is required\n")
+        usage_error("zenflow-tune", "a command is required: run, predict, list, show, detect, "
+                                    "plot or diagnose")
         return EXIT_USAGE
     try:
         module = importlib.import_module(f".{COMMANDS[args.command]}", __name__)
         return getattr(module, f"cmd_{args.command}")(args)
     except UsageError as e:
-        sub = _subparser(parser, args.command)
-        if sub is not None:
-            sub.print_help(sys.stderr)
-        sys.stderr.write(f"\nzenflow-tune {args.command}: error: {e}\n")
+        usage_error(f"zenflow-tune {args.command}", str(e))
         return EXIT_USAGE
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted; rerun the same command to continue the study\n")

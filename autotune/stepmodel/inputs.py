@@ -465,6 +465,10 @@ class Workload:
 
         if spec in PRESETS:
             return cls.from_preset(spec, tokens=tokens, mfu=mfu)
+        if not os.path.exists(spec) and (spec.endswith(".json") or os.path.sep in spec):
+            raise StepModelError(f"no such file or folder: {spec!r} (--model takes a preset, "
+                                 "a path to an HF config.json or the folder holding it, or "
+                                 "module:function)")
         if os.path.exists(spec):
             return cls.from_hf_config(spec, tokens=tokens, mfu=mfu)
         if ":" in spec and os.path.sep not in spec.split(":", 1)[0]:

@@ -27,9 +27,15 @@ Work = list[tuple[dict, torch.Tensor, torch.Tensor]]
 def check_params(param_groups: list[dict], kind_of: Callable[[torch.Tensor], str],
                  name_of: Callable[[torch.Tensor], str]) -> None:
     """TypeError / ValueError naming the first param this optimizer cannot take
-    (``kind_of``: MATRIX or SMALL, as the optimizer classifies it)."""
+    (``kind_of``: MATRIX or SMALL, as the optimizer classifies it); a param listed twice
+    (torch only warns: its state would be updated twice a step)."""
+    seen: set[int] = set()
     for group in param_groups:
         for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"{name_of(p)} is listed twice in the params; each param "
+                                 "may appear once (model.named_parameters() lists each once)")
+            seen.add(id(p))
             if p.is_complex():
                 raise TypeError(f"{name_of(p)} is complex; ZenFlowOptimizer supports real "
                                 "floating-point params only")
@@ -77,12 +83,18 @@ def check_names(param_groups: list[dict], config: ZenFlowConfig) -> None:
     names = [n for g in param_groups for n in (g.get("param_names") or ())]
     if not names:
         if any(p.dim() >= 2 for g in param_groups for p in g["params"]):
+            trainer = _built_by_hf_trainer()
             warnings.warn(
                 "ZenFlowOptimizer got its params without names, so dense_params "
                 f"{config.dense_params} matches nothing: embeddings and the LM head are split "
                 "like any matrix. Pass model.named_parameters() or groups of (name, param) "
                 "pairs (for the HF Trainer: zenflow_triton.hf.trainer_kwargs(model)); "
-                "dense_params=() says no dense set is meant", UserWarning, stacklevel=3)
+                "dense_params=() says no dense set is meant"
+                + (". Built by the HF Trainer (optimizer_cls_and_kwargs), nothing finishes "
+                   "training: trainer.save_model() after train() would miss the last window's "
+                   "host-owned columns. Use **zenflow_triton.hf.trainer_kwargs(model, args) "
+                   "instead, or add callbacks=[zenflow_triton.hf.ZenFlowCallback()] to the "
+                   "Trainer" if trainer else ""), UserWarning, stacklevel=3)
         return
     if tuple(config.dense_params) != DEFAULT_DENSE_PARAMS:
         unmatched = [pat for pat in config.dense_params
@@ -90,3 +102,19 @@ def check_names(param_groups: list[dict], config: ZenFlowConfig) -> None:
         if unmatched:
             warnings.warn(f"dense_params: {unmatched} match no param name (names are like "
                           f"{names[0]!r})", UserWarning, stacklevel=3)
+
+
+def _built_by_hf_trainer(depth: int = 12) -> bool:
+    """Whether the optimizer is being built inside ``transformers.Trainer.create_optimizer``
+    (its ``optimizer_cls_and_kwargs`` route), by the calling frames."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "create_optimizer" and "transformers" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False

@@ -72,7 +72,7 @@ class ProfileNotFoundError(ProfileError, LookupError):
     def __init__(self, name: str, known: list[str]):
         self.name = name
         self.known = known
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.4)
+        close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.4)
         self.closest = close[0] if close else None
         hint = f" Did you mean {self.closest!r}?" if self.closest else ""
         super().__init__(
@@ -220,6 +220,8 @@ def known_profile_names() -> list[str]:
 
 def profile_path(name: str) -> Path:
     """The file ``load_profile(name)`` reads: the user one if present, else the built-in."""
+    if isinstance(name, str) and not _NAME_RE.match(name) and _NAME_RE.match(name.lower()):
+        name = name.lower()  # names are lower case: "A100-PCIE4" is a100-pcie4
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ProfileNotFoundError(str(name), known_profile_names())
     for directory in (user_profile_dir(), builtin_profile_dir()):
