@@ -217,6 +217,10 @@ PRETRAIN_LR = 3e-3
 _PRETRAIN_VERSION = 1  # bump when the pretraining recipe changes: old cache files are ignored
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent / "data"
+"""The pretrained tiny LM of the default recipe, shipped (see :func:`pretrained_tiny_lm_state`)."""
+
+
 def cache_dir() -> Path:
     """Where derived artefacts (the pretrained tiny LM) are cached: ``$ZENFLOW_CACHE``, else
     ``$XDG_CACHE_HOME/zenflow-triton``, else ``~/.cache/zenflow-triton``."""
@@ -280,9 +284,18 @@ def pretrained_tiny_lm_state(*, d: int = 128, n_layers: int = 2, n_heads: int = 
                              seq_len: int = 64,
                              on_miss: Callable[[], None] | None = None,
                              on_hit: Callable[[str], None] | None = None) -> dict:
-    """The pretrained tiny LM's weights: loaded from the cache, else trained (about 40 s on
-    2 CPU cores) and cached; ``on_miss()`` is called before training. A cache file that
-    cannot be read is replaced, with a warning."""
+    """The pretrained tiny LM's weights: for the default shapes and recipe, the copy that
+    ships with the package (``autotune/data``: the same bits on every machine, nothing to
+    train); else loaded from the cache, else trained (about 40 s on 2 idle CPU cores) and
+    cached; ``on_miss()`` is called before training. A cache file that cannot be read is
+    replaced, with a warning."""
+    shipped = SHIPPED_DIR / (f"tinylm-pretrained-v{_PRETRAIN_VERSION}-d{d}-l{n_layers}-h{n_heads}"
+                             f"-t{seq_len}-s{PRETRAIN_STEPS}.pt")
+    if shipped.exists():
+        state = torch.load(shipped, map_location="cpu", weights_only=True)
+        if on_hit is not None:
+            on_hit(f"the pretrained tiny LM that ships with the package ({shipped.name})")
+        return state
     # Keyed by what changes its bits besides the recipe: torch's version and thread count
     # (the CPU's vector paths change them too: the sidecar JSON says which CPU built it).
     name = (f"tinylm-pretrained-v{_PRETRAIN_VERSION}-d{d}-l{n_layers}-h{n_heads}-t{seq_len}"
@@ -319,7 +332,8 @@ def prepare(name: str, log: Callable[[str], None] = print) -> None:
     default workload, pretrain (or load) the tiny LM. Raises WorkloadError if it cannot."""
     if name == DEFAULT_WORKLOAD:
         pretrained_tiny_lm_state(on_miss=lambda: log(
-            f"pretraining the tiny LM once (about a minute; cached in {cache_dir()})"),
+            f"pretraining the tiny LM once (about a minute on 2 idle cores; cached in "
+            f"{cache_dir()})"),
             on_hit=lambda what: log(f"using {' '.join(what.split())}"))
 
 

@@ -71,3 +71,19 @@ def test_one_list_of_presets_everywhere(capsys):
     doc = " ".join((ROOT / "docs" / "predict.md").read_text().split())
     names = re.search(r"`--model` takes a preset \((.*?): the list", doc).group(1)
     assert sorted(re.findall(r"`([^`]+)`", names)) == sorted(PRESETS)
+
+
+def test_the_default_workload_pretrains_nothing_on_a_fresh_machine(tmp_path, monkeypatch):
+    # The pretrained tiny LM of the default recipe ships with the package: a fresh cache
+    # (a fresh HOME, CI) loads it in a moment instead of pretraining for minutes.
+    from autotune import training as W
+
+    monkeypatch.setenv("ZENFLOW_CACHE", str(tmp_path / "empty"))
+    monkeypatch.setattr(W, "_pretrain_tiny_lm", lambda *a: pytest.fail("pretrained"))
+    seen = []
+    state = W.pretrained_tiny_lm_state(on_hit=seen.append)
+    assert "ships with the package" in seen[0]
+    model = W.tiny_lm_finetune(seed=0).model
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert not (tmp_path / "empty").exists()
