@@ -83,6 +83,13 @@ assert all(torch.isfinite(p).all() for p in model.parameters())
 assert math.isfinite(loss.item())
 """
 
+CHECKS["switch"] = """
+import math
+steps = [adamw.state[p]["step"] for p in model.parameters()]
+assert all(float(s) == 24 for s in steps), steps  # 8 + 8 + 8: the count went both ways
+assert all(torch.isfinite(p).all() for p in model.parameters())
+"""
+
 # The pages snippets may live on: the README and every page under docs/.
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -127,3 +134,8 @@ def test_readme_snippet_runs_and_resumes_bit_for_bit(name, tmp_path):
 def test_readme_usage_example_runs(tmp_path):
     assert "<!-- snippet: usage -->" in (ROOT / "README.md").read_text()
     run_snippet("usage", tmp_path)
+
+
+def test_switching_from_adamw_and_back_runs(tmp_path):
+    assert "<!-- snippet: switch -->" in (ROOT / "README.md").read_text()
+    run_snippet("switch", tmp_path)
