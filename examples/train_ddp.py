@@ -41,6 +41,10 @@ def arguments(doc: str, argv=None) -> argparse.ArgumentParser:
 def start() -> tuple[int, int, torch.device, object]:
     """torch.distributed up (NCCL on GPUs, else gloo); (rank, world, device, the tiny LM
     workload with a batch of 8 per rank), the same initial weights on every rank."""
+    if os.environ.get("ZENFLOW_STACKS_ON_USR1"):  # a stress run's hang: every thread's stack
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,6 +115,9 @@ def finish(opt, rank: int, world: int, steps: int, params, values: torch.Tensor,
     same = same_on_every_rank(values, world)
     if rank == 0:
         print(f"world {world}: {what} on every rank: {same}")
+        # the run's result in one number (bench/stress_teardown.py compares runs by it)
+        print(f"checksum {values.double().sum().item():.17g} "
+              f"{(values.double() * values.double().cumsum(0)).sum().item():.17g}")
     opt.close()
     dist.destroy_process_group()
     return 0 if same else 1

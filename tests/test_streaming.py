@@ -374,5 +374,94 @@ def test_grad_scaler_is_refused_with_the_reason_and_works_without_streaming():
             opt.close()
 
     assert attempt(False) == 1
-    with pytest.raises(StreamingError, match="GradScaler .* not supported with stream_grads"):
+    with pytest.raises(StreamingError, match=r"stream_grads .*GradScaler \(fp16 loss scaling"):
         attempt(True)
+
+
+
+def test_a_load_between_backward_and_step_cuts_the_gradient_by_the_loaded_selection():
+    # Without streaming, .grad waits for the step whatever state is loaded meanwhile; with
+    # it, the hooks cut the gradient by the selection of their time, so a load makes it
+    # whole again and the step cuts it by the loaded one (also where the loaded step
+    # reselects, which scores that gradient).
+    def run(stream, save_at, load_at):
+        model = mlp()
+        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=stream, **BASE)
+        data = batches(model)
+        saved = None
+        for t in range(1, 15):
+            next(data)(model).backward()
+            if t == load_at:
+                opt.load_state_dict(saved)
+            opt.step()
+            opt.zero_grad()
+            if t == save_at:
+                saved = opt.state_dict()
+        opt.finish()
+        opt.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for save_at, load_at in ((5, 11), (8, 11)):  # (8: the loaded step 9 reselects)
+        assert_same(run(False, save_at, load_at), run(True, save_at, load_at),
+                    f"state of step {save_at} loaded before step {load_at}")
+
+
+def test_an_overflowing_sum_of_finite_micro_batches_is_caught():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=False))
+    opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
+    try:
+        for _ in range(2):  # each finite, their sum inf (fp32 max 3.4e38)
+            model(torch.ones(1, 32)).sum().mul(2e38).backward()
+        with pytest.raises(NonFiniteGradientError):
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        opt.close()
+
+
+def test_clipping_summed_micro_batches_of_device_only_matrices():
+    got, _ = train(mlp(), 6, micro=2, stream_grads=True, max_grad_norm=0.05, topk_ratio=1.0)
+    want, _ = train(mlp(), 6, micro=2, torch_clip=0.05, topk_ratio=1.0)
+    for a, b in zip(want, got):
+        assert (a - b).abs().max().item() <= 6 * 2 * 2.0 ** -23
+
+
+def test_a_newer_optimizer_takes_the_params_over():
+    model = mlp()
+    old = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
+    with pytest.warns(UserWarning, match="takes it over"):
+        new = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
+    try:
+        next(batches(model))(model).backward()
+        assert new._stream.pending and not old._stream.pending
+        before = [p.detach().clone() for p in model.parameters()]
+        new.step()
+        assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    finally:
+        old.close()
+        new.close()
+
+
+def test_closing_with_streamed_gradients_pending_drops_them_and_says_so():
+    model = mlp()
+    opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
+    next(batches(model))(model).backward()
+    with pytest.warns(UserWarning, match="dropped"):
+        opt.close()
+    assert not opt._stream.pending
+
+
+def test_the_trainer_moves_clipping_for_a_profile_that_streams(tmp_path):
+    from zenflow_triton.hf import trainer_kwargs
+
+    model = tiny_llama()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          max_grad_norm=1.0)
+    with pytest.warns(UserWarning):
+        kw = trainer_kwargs(model, args, profile="rtx4090-pcie4", fit="skip")
+    opt = kw["optimizers"][0]
+    try:
+        assert opt.config.stream_grads and opt.config.max_grad_norm == 1.0
+        assert args.max_grad_norm == 0.0
+    finally:
+        opt.close()

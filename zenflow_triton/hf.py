@@ -90,25 +90,31 @@ def trainer_kwargs(model, args=None, *, profile: str | None = None,
                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     hyper.update({k: zenflow.pop(k) for k in ("lr", "weight_decay", "betas", "eps")
                   if k in zenflow})
-    if zenflow.get("stream_grads") and args is not None and args.max_grad_norm:
-        # The Trainer's clip_grad_norm_ would see only the small params' .grad (the matrices'
-        # left during backward): the optimizer clips by the global norm instead.
-        zenflow.setdefault("max_grad_norm", float(args.max_grad_norm))
-        warnings.warn(f"trainer_kwargs: stream_grads moves max_grad_norm="
-                      f"{args.max_grad_norm} from the Trainer into the optimizer (set "
-                      "args.max_grad_norm = 0), which clips every gradient by the global norm",
-                      UserWarning, stacklevel=2)
-        args.max_grad_norm = 0.0
+
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     wd = hyper.pop("weight_decay", 0.0)
     groups = [{"params": [(n, p) for n, p in named if n in decay], "weight_decay": wd},
               {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    if profile is not None:
-        opt = ZenFlowOptimizer.from_profile(profile, groups, **hyper, **zenflow)
-    else:
-        opt = ZenFlowOptimizer(groups, **hyper, **zenflow)
+    def build(**more):
+        if profile is not None:
+            return ZenFlowOptimizer.from_profile(profile, groups, **hyper, **zenflow, **more)
+        return ZenFlowOptimizer(groups, **hyper, **zenflow, **more)
+
+    opt = build()
+    if (opt.config.stream_grads and args is not None and args.max_grad_norm
+            and opt.config.max_grad_norm is None):
+        # streaming (asked for, or a profile's, or the fit's): the Trainer's clip_grad_norm_
+        # would see only the small params' .grad (the matrices' left during backward), so
+        # the optimizer clips by the global norm instead
+        opt.close(finish=False)
+        opt = build(max_grad_norm=float(args.max_grad_norm))
+        warnings.warn(f"trainer_kwargs: stream_grads moves max_grad_norm="
+                      f"{args.max_grad_norm} from the Trainer into the optimizer (set "
+                      "args.max_grad_norm = 0), which clips every gradient by the global norm",
+                      UserWarning, stacklevel=2)
+        args.max_grad_norm = 0.0
     return {"optimizers": (opt, None), "callbacks": [ZenFlowCallback()]}
 
 

@@ -10,6 +10,7 @@ docs/design.md, "Map of the code".
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -163,9 +164,9 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         work = self._work()
         plan = plan_step(self._global_step + 1, self.config)
         moves, defer = self._stream.checked(lambda: self._check(work, plan))
-        self._stream.clip(work)
         self._prepare_state(work)
         self._guard.before(self._wait_before_step, self._shard.collective, self._global_step)
+        self._stream.clip(work)  # after the waits: an interrupted step is retried unclipped
         if defer:  # a masked step's host-side counters come back if it was bad
             step = self._global_step
             self._finite.defer(work, step + 1, undo_of([self._states[p] for _, p, _ in work],
@@ -317,6 +318,12 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         """:meth:`finish`, then stop the host threads; idempotent. ``finish=False`` (a state
         handed on), a failed optimizer or a ``with`` left by an exception only stop them."""
         if not finish or getattr(self, "_closed", True) or self._guard.failure is not None:
+            return self._stop()
+        if self._shard.gone:  # no collective can finish the open window any more
+            warnings.warn("close() after destroy_process_group(): the ranks cannot finish the "
+                          "open window together any more, so it is left unapplied; call "
+                          "close() (or finish()) before destroy_process_group()", UserWarning,
+                          stacklevel=2)
             return self._stop()
         try:
             self.finish()

@@ -24,16 +24,19 @@ their ``.grad`` as without streaming.
 
 Ordering invariants:
 
-* A host copy is read only after its ``wait``: by the worker job that adds a later
-  micro-batch into the first's, by :meth:`resolve` on this thread (whole), or by the
-  step's finalize job, which :meth:`resolve` queues on the host worker before any job
-  that reads the step's host columns (the worker runs jobs in order).
+* A host copy is read only after its ``wait``: by the adder's job that adds a later
+  micro-batch into the first's (the stream's own thread, ``zenflow-stream``, so that a sum
+  never waits behind a window's host AdamW job), by :meth:`resolve` on this thread (whole),
+  or by the step's finalize job, which :meth:`resolve` queues on the host worker before any
+  job that reads the step's host columns (the worker runs jobs in order), and which first
+  waits for the adder's jobs of those columns.
 * What the hooks left is taken by the next ``step()``; ``zero_grad()`` and a step that
   raises NonFiniteGradientError drop it (after its copies are done).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -49,6 +52,13 @@ from .state import MATRIX
 
 class StreamingError(ValueError):
     """Gradient streaming cannot be used with these params or this setup."""
+
+
+_OWNER: dict[int, weakref.ref] = {}
+"""id(param) -> the GradStream its hook serves: one at a time (the latest optimizer built over
+it takes it over; an older one's hook then leaves the gradient alone). By id: a tensor's ``==``
+is elementwise, no dict key; an id reused by a later tensor is overwritten when that one's
+optimizer installs its hooks."""
 
 
 def check_streamable(config, shard) -> None:
@@ -94,6 +104,8 @@ class _Buffers:
     bad: torch.Tensor | None = None            # bool [1] on the device: a NaN/inf seen
     norm: torch.Tensor | None = None           # one micro-batch's 2-norm (clipping)
     micro: int = 0
+    host_bad: list = field(default_factory=list)  # the adder's verdicts on the host sum
+    rescore: bool = False                      # score from the host copy (not the hooks')
 
 
 class GradStream:
@@ -113,6 +125,7 @@ class GradStream:
         self.peak_bytes = 0      # live device gradient bytes, the most seen
         self._hook_peak = 0      # the most seen inside a hook (streamed gradients only)
         self.streamed = 0        # gradients streamed (hook calls)
+        self._adder = None       # the thread that adds later micro-batches (made when needed)
 
     # ------------------------------------------------------------------ setup
     def install(self, params, kind_of: Callable[[torch.Tensor], str]) -> None:
@@ -123,10 +136,16 @@ class GradStream:
 
         def hook(p: torch.Tensor) -> None:  # the optimizer may be collected: then leave .grad
             stream = this()
-            if stream is not None and stream.active:
+            if stream is not None and stream.active and _OWNER.get(id(p)) is this:
                 stream._on_grad(p)
         for p in params:
             if p.requires_grad and kind_of(p) == MATRIX:
+                old = _OWNER.get(id(p))
+                if old is not None and old is not this and old() is not None and old().active:
+                    warnings.warn(f"{self._name_of(p)}: another open ZenFlowOptimizer streams "
+                                  "this param's gradient; the new one takes it over (close() "
+                                  "the old one)", UserWarning, stacklevel=4)
+                _OWNER[id(p)] = this
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def refuse_grad_scaler(self) -> bool:
@@ -134,18 +153,29 @@ class GradStream:
         without streaming the scaler unscales ``.grad`` as for any optimizer."""
         if self.active:
             raise StreamingError(
-                "GradScaler (fp16 loss scaling) is not supported with stream_grads: it unscales "
-                "and checks .grad after backward, but the hooks have already sent the matrices' "
-                "gradients (still scaled) away; train in bfloat16 (no scaler needed) or leave "
-                "stream_grads off")
+                "with stream_grads the matrices' gradients leave .grad during backward, so "
+                "what reads .grad between backward and step() cannot work on them: GradScaler "
+                "(fp16 loss scaling: it unscales and checks .grad; train in bfloat16, no "
+                "scaler needed) and a framework's gradient clipping (give the optimizer "
+                "max_grad_norm instead and turn the framework's off); or leave stream_grads "
+                "off")
         return False
 
     def remove(self) -> None:
-        """Take the hooks off (close()): gradients then stay in ``.grad``."""
+        """Take the hooks off (close()): gradients then stay in ``.grad``; what the hooks
+        left since the last step is dropped (with a warning: nothing will step on it), and
+        the adder thread stops."""
+        if self._bufs:
+            warnings.warn(f"ZenFlowOptimizer closed with the gradients of {len(self._bufs)} "
+                          "param(s) streamed since the last step(): they are dropped",
+                          UserWarning, stacklevel=4)
+        self.discard()
         self.active = False
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._adder is not None:
+            self._adder.close()
 
     # ------------------------------------------------------------------ the hook
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -180,6 +210,9 @@ class GradStream:
                     self._held += cols.numel() * cols.element_size()
                 else:
                     b.dev.add_(cols)
+                    if self.config.check_finite:  # finite + finite may overflow
+                        flag = nonfinite_flags([b.dev], exact=True)
+                        b.bad = flag if b.bad is None else b.bad | flag
             host_src = None
             if st["host_idx"].numel():
                 host_src = self.device_half.host_columns(g2d, self.device_half.host_idx(p, st))
@@ -214,12 +247,24 @@ class GradStream:
             return
         waits, b.waits = b.waits + [wait], []
         timeout, into, add = self.config.host_timeout, b.host, out.view(src.shape)
+        verdicts, check = b.host_bad, self.config.check_finite
 
         def add_micro_batch() -> None:
             for w in waits:
                 w(timeout)
             into.add_(add)
-        b.jobs.append(self.pipeline.submit(add_micro_batch, "a streamed micro-batch's sum"))
+            if check:  # finite + finite may overflow: the sum is what the step takes
+                verdicts.append(not bool(torch.isfinite(into).all()))
+        b.jobs.append(self._adder_thread().submit(add_micro_batch,
+                                                  "a streamed micro-batch's sum"))
+
+    def _adder_thread(self):
+        """The thread that sums micro-batches on the host, apart from the host worker (whose
+        queue may hold a window's AdamW job: a sum must not wait behind it)."""
+        if self._adder is None:
+            from .host.worker import HostWorker
+            self._adder = HostWorker(self.config.host_timeout, name="zenflow-stream")
+        return self._adder
 
     # ------------------------------------------------------------------ the step
     @property
@@ -239,7 +284,11 @@ class GradStream:
                 for p in group["params"]:
                     b = self._bufs.get(p)
                     if b is not None:
-                        probe = (torch.zeros(1, device=p.device) if b.bad is None
+                        if b.jobs:  # several micro-batches: the host sum's own verdict
+                            self._settle(b)
+                        bad = any(b.host_bad)
+                        probe = (torch.full((1,), float("nan") if bad else 0.0,
+                                            device=p.device) if b.bad is None or bad
                                  else torch.where(b.bad, float("nan"), 0.0).float())
                         out.append((group, p, probe))
                     elif p in have:
@@ -266,11 +315,13 @@ class GradStream:
         for p, b in self._bufs.items():
             if b.scores is None:
                 continue
-            if b.micro > 1:
+            if b.micro > 1 or b.rescore:
                 self._settle(b)
                 b.scores = column_scores_ref(b.host, self.config.score).to(p.device)
-                b.micro = 1  # scored: the sum is what the step takes
-                b.norm = None if b.norm is None else self._summed_norm(p, b)
+                b.rescore = False
+                if b.micro > 1:
+                    b.norm = None if b.norm is None else self._summed_norm(p, b)
+                    b.micro = 1  # scored: the sum is what the step takes
             out[p] = b.scores
         return out
 
@@ -298,22 +349,26 @@ class GradStream:
         for b in self._bufs.values():
             if b.dev is not None:
                 b.dev.mul_(coef.to(b.dev.device))
-        self._coef = coef
+        # the host columns' factor, on the host (one read of the coefficient per step: the
+        # host worker must not read a device tensor the training stream is still writing)
+        self._coef = coef.to("cpu") if self._bufs else None
 
     def _summed_norm(self, p: torch.Tensor, b: _Buffers) -> torch.Tensor:
         """The 2-norm of a gradient summed over micro-batches, in its dtype as
         ``clip_grad_norm_`` gives it: from the host copy once the host worker summed it (and
         the device columns), the parts' squares added in fp32, rounded once."""
         self._settle(b)
-        sq = torch.linalg.vector_norm(b.host, 2.0, dtype=torch.float32).to(p.device) ** 2
-        if b.dev is not None:
-            sq = sq + torch.linalg.vector_norm(b.dev, 2.0, dtype=torch.float32) ** 2
-        return sq.sqrt().to(b.host.dtype)
+        sq = torch.zeros((), device=p.device)
+        for part in (b.host, b.dev):
+            if part is not None:
+                sq = sq + torch.linalg.vector_norm(part, 2.0, dtype=torch.float32).to(
+                    p.device) ** 2
+        return sq.sqrt().to((b.host if b.host is not None else b.dev).dtype)
 
     def _settle(self, b: _Buffers) -> None:
         """Wait (on this thread) until ``b``'s host copy holds every micro-batch."""
         for job in b.jobs:
-            self.pipeline.wait_job(job)
+            self._adder.wait(job)
         for w in b.waits:
             w(self.config.host_timeout)
         b.jobs, b.waits = [], []
@@ -346,8 +401,8 @@ class GradStream:
                     pending.append(b)
             out.append((group, p, ready[p].dev if ready[p].dev is not None else g))
         if pending:  # every job that reads these host columns is queued after this one
-            self.pipeline.submit(_finalize(pending, coef, self.config.host_timeout),
-                                 "the streamed gradients of a step")
+            self.pipeline.submit(_finalize(pending, coef, self.config.host_timeout,
+                                           self._adder), "the streamed gradients of a step")
         return out, ready
 
     def _cut(self, p: torch.Tensor, st: dict, whole: torch.Tensor) -> Split:
@@ -366,6 +421,27 @@ class GradStream:
                             else whole.index_select(1, host_idx))
         return Split(dev, host)
 
+    def rebase(self) -> None:
+        """Before the state is replaced (``load_state_dict``): each split gradient made whole
+        again in host memory (its device and host columns put back in place), so the next
+        step cuts it by the loaded selection, as it would a ``.grad``."""
+        for p, b in self._bufs.items():
+            self._settle(b)
+            if not b.whole:
+                st = self.state[p]
+                rows, cols = shape2d(p)
+                whole = torch.empty(rows, cols, dtype=(b.host if b.host is not None
+                                                       else b.dev).dtype)
+                if b.host is not None:
+                    whole[:, st["host_idx"]] = b.host
+                if b.dev is not None:
+                    self._held -= b.dev.numel() * b.dev.element_size()
+                    whole[:, st["device_idx"].cpu()] = b.dev.cpu()
+                b.host, b.dev, b.whole = whole, None, True
+            if b.scores is None:
+                b.scores = torch.zeros(shape2d(p)[1], dtype=torch.float32, device=p.device)
+            b.rescore = True  # whatever the loaded state selects, from this gradient
+
     def discard(self) -> None:
         """Drop what the hooks left (``zero_grad()``, a step that found a NaN/inf): after
         its copies and jobs are done, so no copy writes freed memory."""
@@ -373,7 +449,7 @@ class GradStream:
         for b in bufs.values():
             try:
                 self._settle(b)
-            except Exception:  # a failed add raises at the next check(); nothing to keep
+            except Exception:  # a failed sum: nothing to keep of it
                 pass
 
     # ------------------------------------------------------------------ memory
@@ -389,20 +465,21 @@ class GradStream:
         return dict(grad_bytes_peak=self.peak_bytes, grads_streamed=self.streamed)
 
 
-def _finalize(bufs: list[_Buffers], coef: torch.Tensor | None, timeout: float):
-    """The host worker's part of a step's streamed host columns: wait for their copies, then
-    scale them by the clipping coefficient."""
+def _finalize(bufs: list[_Buffers], coef: torch.Tensor | None, timeout: float, adder):
+    """The host worker's part of a step's streamed host columns: wait for their copies and
+    the adder's sums, then scale them by the clipping coefficient (a host tensor)."""
     waits = [w for b in bufs for w in b.waits]
+    jobs = [j for b in bufs for j in b.jobs]
     hosts = [b.host for b in bufs]
     for b in bufs:
-        b.waits = []
-    c = None if coef is None else coef.detach()
+        b.waits, b.jobs = [], []
 
     def run() -> None:
         for w in waits:
             w(timeout)
-        if c is not None:
-            scale = c.to("cpu")
+        for job in jobs:
+            adder.wait(job)
+        if coef is not None:
             for h in hosts:
-                h.mul_(scale)
+                h.mul_(coef)
     return run

@@ -102,6 +102,7 @@ class StateDictMethods:
         if changed:
             warnings.warn(changed, UserWarning, stacklevel=2)
         self._pipeline.forget()  # the work in flight belongs to the state being replaced
+        self._stream.rebase()  # streamed gradients: whole again, for the loaded selection
         for g, saved in zip(self.param_groups, loaded.groups):
             g.update(saved)
         self.state.clear()

@@ -71,6 +71,13 @@ class RowShard:
                    split_rows=mesh is None)
 
     @property
+    def gone(self) -> bool:
+        """Whether the ranks can no longer meet: torch.distributed was torn down
+        (``destroy_process_group()``) under a collective shard."""
+        import torch.distributed as dist
+        return self.collective and not (dist.is_available() and dist.is_initialized())
+
+    @property
     def collective(self) -> bool:
         """More than one rank: votes and reductions are collectives."""
         return self.world > 1
