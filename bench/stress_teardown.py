@@ -11,7 +11,9 @@ signal), hang (past ``--timeout``) or end with another result than the first run
 
 Every run has ``PYTHONFAULTHANDLER=1`` (an abort prints each thread's Python stack) and
 ``ZENFLOW_STACKS_ON_USR1=1`` (the examples dump every thread's stack on SIGUSR1, which this
-script sends to a hung run's processes before killing them). The log of every failed run is
+script sends to a hung run's processes before killing them, after a ``py-spy dump --native``
+of each where py-spy is installed). A rank the launcher leaves behind after it exits (torchrun
+does, when its other rank is done) counts as a hang once it outlives ``--timeout``. The log of every failed run is
 kept under ``--logs``. Exit status 1 when any run aborted, hung or differed.
 """
 
@@ -59,20 +61,42 @@ def one(i: int, args) -> tuple[str, str, str]:
     """(verdict, checksum, log) of run ``i``: "ok", "abort", "hang" or "error"."""
     env = dict(os.environ, PYTHONFAULTHANDLER="1", ZENFLOW_STACKS_ON_USR1="1",
                OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(command(args.example, args.steps), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        try:  # every process of the run dumps its threads' stacks, then dies
-            os.killpg(proc.pid, signal.SIGUSR1)
-            time.sleep(3)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, _ = proc.communicate()
-        return "hang", "", out
+    log = Path(args.logs) / f".run-{i}.out"  # a file, not a pipe: orphans cannot block us
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command(args.example, args.steps), cwd=ROOT, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=args.timeout)
+            time.sleep(0.5)
+            left = descendants(proc.pid) + orphans(log)
+            if left:  # the launcher is done, a rank is not (torchrun left it behind)
+                deadline = time.time() + args.timeout
+                while left and time.time() < deadline:
+                    time.sleep(1)
+                    left = [p for p in left if alive(p)]
+            hung = bool(left)
+        except subprocess.TimeoutExpired:
+            left, hung = descendants(proc.pid) + [proc.pid], True
+        if hung:  # every process of the run: its stacks (py-spy where installed), then gone
+            stacks = []
+            for pid in left:
+                stacks.append(spy(pid))
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2)
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+    out = log.read_text()
+    log.unlink()
+    if hung:
+        return "hang", "", out + "\n".join(stacks)
     m = re.search(r"^checksum (\S+ \S+)$", out, re.M)
     aborted = (proc.returncode < 0 or re.search(r"exitcode\s*:\s*-\d+", out)
                or "Fatal Python error" in out or "SIGABRT" in out or "Signal 6" in out)
@@ -81,6 +105,56 @@ def one(i: int, args) -> tuple[str, str, str]:
     if proc.returncode != 0 or m is None:
         return "error", "", out
     return "ok", m.group(1), out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (by /proc's parent links)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
+def orphans(log: Path) -> list[int]:
+    """Processes whose output goes to ``log`` (ranks a launcher left behind, re-parented)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.readlink(d / "fd" / "1") == str(log.resolve()):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def spy(pid: int) -> str:
+    """``py-spy dump --native`` of ``pid`` where py-spy is installed, else a note."""
+    import shutil
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not os.path.exists(exe):
+        return f"(pid {pid}: no py-spy for a native stack; pip install py-spy)"
+    r = subprocess.run([exe, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                       text=True, timeout=60)
+    return f"--- py-spy dump --native --pid {pid}\n{r.stdout}{r.stderr}"
 
 
 def hog(n: int) -> list[subprocess.Popen]:

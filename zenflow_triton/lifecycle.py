@@ -52,6 +52,9 @@ class HostThreads:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if not any(not getattr(o, "_closed", True) for o in list(_OPEN) if o is not self):
+            from .guards.faults import release_sigint
+            release_sigint()  # the last open optimizer: SIGINT's handler as it was
         stream = getattr(self, "_stream", None)
         if stream is not None:  # gradients stay in .grad from now on
             stream.remove()

@@ -6,8 +6,8 @@ Ends: ``close`` (close(), then exit), ``none`` (no close(): the interpreter's ex
 ``raise`` (an exception out of the loop), ``sys-exit-in-handler`` (SIGINT handled by a
 handler that calls sys.exit(3), the signal sent mid-run), ``interrupt-at-exit`` (a
 KeyboardInterrupt raised after the loop, while a host job is in flight),
-``close-then-destroy`` and ``destroy-then-close`` (DDP: the two orders of close() and
-destroy_process_group()).
+``close-then-destroy`` and ``destroy-then-close`` (under torchrun with ``--ddp``: the two
+orders of close() and destroy_process_group()).
 """
 
 from __future__ import annotations

@@ -92,26 +92,68 @@ class StepGuard:
             first()
 
 
+class _SigintGate:
+    """SIGINT's handler while an optimizer lives: installed once (again only if someone puts
+    another handler in its place), it forwards every signal to the handler it took the
+    place of, except while a step holds them (``holding``): then it notes the signal, and
+    the step delivers it when it is done. No handler is swapped per step. The signal
+    arrives on the main thread only, where the steps that hold it run."""
+
+    def __init__(self) -> None:
+        self.original: Any = None
+        self.holding = False
+        self.caught: list = []
+
+    def __call__(self, signum, frame) -> None:
+        if self.holding:
+            self.caught.append((signum, frame))
+            return
+        self.original(signum, frame)
+
+
+_GATE = _SigintGate()
+
+
 def _hold_sigint(held: list):
     """Until the returned function is called, SIGINT (Ctrl-C) runs nothing where the main
-    thread is: it is noted in ``held``, and the returned function, after putting the handler
-    back, delivers it to that handler once (Python's own raises KeyboardInterrupt; a user's,
-    such as a "graceful stop" that raises KeyboardInterrupt or sets a flag, runs as it would
-    have, only after the step). Only on the main thread with a Python-level handler in place
-    (not SIG_IGN or SIG_DFL); elsewhere nothing changes."""
+    thread is: it is noted in ``held``, and the returned function delivers it to the
+    handler in place before the step, once (Python's own raises KeyboardInterrupt; a
+    user's, such as a "graceful stop" that raises KeyboardInterrupt or sets a flag, runs as
+    it would have, only after the step). Only on the main thread with a Python-level
+    handler in place (not SIG_IGN or SIG_DFL); elsewhere nothing changes. The gate
+    (:class:`_SigintGate`) is installed at the first step and stays: a step only sets and
+    clears its flag."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     try:
         handler = signal.getsignal(signal.SIGINT)
-        if not callable(handler):
-            return lambda: None
-        caught: list = []
-        signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+        if handler is not _GATE:
+            if not callable(handler):
+                return lambda: None
+            _GATE.original = handler  # the gate forwards to it whenever no step holds
+            signal.signal(signal.SIGINT, _GATE)
     except (ValueError, OSError):  # no signals here (an embedded interpreter)
         return lambda: None
+    if _GATE.holding:  # a step inside a step (finish() from a callback): the outer delivers
+        return lambda: None
+    _GATE.holding, _GATE.caught = True, []
+    original = _GATE.original
 
     def restore() -> None:
-        signal.signal(signal.SIGINT, handler)
+        _GATE.holding = False
+        caught, _GATE.caught = _GATE.caught, []
         if caught and not held:  # raised by the handler after the step (whole_step's finally)
-            held.append(lambda: handler(*caught[0]))
+            held.append(lambda: original(*caught[0]))
     return restore
+
+
+def release_sigint() -> None:
+    """Put SIGINT's handler back as it was before the gate, if the gate is in place and no
+    step holds it (the last optimizer closing; a leftover gate would only forward)."""
+    if threading.current_thread() is not threading.main_thread() or _GATE.holding:
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is _GATE and _GATE.original is not None:
+            signal.signal(signal.SIGINT, _GATE.original)
+    except (ValueError, OSError):
+        pass
