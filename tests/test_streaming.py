@@ -86,6 +86,22 @@ def train(model, steps, *, micro=1, torch_clip=None, resume_at=None, zero_first=
     return [p.detach().clone() for p in model.parameters()], stats
 
 
+def setup(stream, **cfg):
+    """An MLP, its optimizer (streaming or not, BASE settings) and its batches."""
+    model = mlp()
+    opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=stream,
+                           **dict(BASE, **cfg))
+    return model, opt, batches(model)
+
+
+def ended(model, opt, finish=True):
+    """Finish (or not), close, and the params."""
+    if finish:
+        opt.finish()
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def assert_same(a, b, what):
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"{what}: param {i} differs by {(x - y).abs().max().item()}"
@@ -201,10 +217,7 @@ def test_the_first_backward_streams_and_small_params_keep_their_grad():
 
 def test_a_nonfinite_micro_batch_skips_the_step_and_drops_its_gradients():
     def run(stream):
-        model = mlp()
-        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=stream,
-                               **BASE)
-        data = batches(model)
+        model, opt, data = setup(stream)
         for t in range(12):
             for j in range(2):
                 loss = next(data)(model)
@@ -219,19 +232,14 @@ def test_a_nonfinite_micro_batch_skips_the_step_and_drops_its_gradients():
             else:
                 opt.step()
             opt.zero_grad()
-        opt.finish()
-        opt.close()
-        return [p.detach().clone() for p in model.parameters()]
+        return ended(model, opt)
 
     assert_same(run(False), run(True), "a skipped step")
 
 
 def test_zero_grad_drops_streamed_gradients():
     def run(stream):
-        model = mlp()
-        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=stream,
-                               **BASE)
-        data = batches(model)
+        model, opt, data = setup(stream)
         for t in range(10):
             next(data)(model).backward()
             if t == 3:  # a batch thrown away
@@ -239,8 +247,7 @@ def test_zero_grad_drops_streamed_gradients():
                 next(data)(model).backward()
             opt.step()
             opt.zero_grad()
-        opt.close()
-        return [p.detach().clone() for p in model.parameters()]
+        return ended(model, opt, finish=False)
 
     assert_same(run(False), run(True), "zero_grad between backward and step")
 
@@ -385,9 +392,7 @@ def test_a_load_between_backward_and_step_cuts_the_gradient_by_the_loaded_select
     # whole again and the step cuts it by the loaded one (also where the loaded step
     # reselects, which scores that gradient).
     def run(stream, save_at, load_at):
-        model = mlp()
-        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=stream, **BASE)
-        data = batches(model)
+        model, opt, data = setup(stream)
         saved = None
         for t in range(1, 15):
             next(data)(model).backward()
@@ -397,9 +402,7 @@ def test_a_load_between_backward_and_step_cuts_the_gradient_by_the_loaded_select
             opt.zero_grad()
             if t == save_at:
                 saved = opt.state_dict()
-        opt.finish()
-        opt.close()
-        return [p.detach().clone() for p in model.parameters()]
+        return ended(model, opt)
 
     for save_at, load_at in ((5, 11), (8, 11)):  # (8: the loaded step 9 reselects)
         assert_same(run(False, save_at, load_at), run(True, save_at, load_at),
