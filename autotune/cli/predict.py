@@ -114,8 +114,11 @@ def _what_fits(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: An
             "shard them (--gpus N --sharding fsdp2) or take a larger card"])
     best = M.fitting_zenflow(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
     if best is None:
-        return [f"no leaner ZenFlow setting fits {gb:.0f} GB (params and gradients: "
-                f"{floor:.1f} GB; tried {', '.join(M.LEAN_CHOICES)})"]
+        out = [f"no leaner ZenFlow setting fits {gb:.0f} GB at {wl.tokens} tokens per step "
+               f"(params, gradient buckets and activations: {floor:.1f} GB of {usable:.1f} "
+               f"usable; tried {', '.join(M.LEAN_CHOICES)})"]
+        smaller = _fewer_tokens(args, hw, wl, cfg)
+        return out + ([smaller] if smaller else [])
     changed = M.lean_changes(best, cfg)
     return [f"fits: zenflow with {', '.join(f'{k}={v!r}' for k, v in changed.items())}: "
             f"{best.step_time_s:.3f} s/step, {best.device_memory_bytes / 1e9:.1f} GB device, "
