@@ -158,7 +158,10 @@ def spy(pid: int) -> str:
 
 
 def hog(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    """``n`` CPU-saturating processes, each ending by itself when this script is gone (its
+    parent changes), however this script ends."""
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
 
 
 def main(argv=None) -> int:
