@@ -347,3 +347,40 @@ def test_the_callback_does_not_finish_onto_a_reloaded_best_model():
                                    None, optimizer=opt)
     assert not same_tensors(before, params_of(model))  # otherwise it finishes
     opt.close()
+
+
+# ---------------------------------------------------------------- 8: a schedule that ends at 0
+@pytest.mark.parametrize("resume", [False, True])
+def test_finish_under_a_linear_decay_to_zero_applies_the_last_window_at_its_steps_lr(resume):
+    """A window takes the hyperparameters of the step that closes it. finish() closes the
+    open window after the loop, when the scheduler has already written the next step's lr
+    (0 at the end of a linear decay): it must launch at the last step's, not drop the
+    window's host-owned gradients at lr 0. Same after a save and load at the end."""
+    data = batches(10)
+
+    def train(step_scheduler_at_end: bool):
+        model = make_model()
+        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, **SPLIT)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (10 - s) / 10)
+        for i, x in enumerate(data):
+            opt.zero_grad()
+            loss_fn(model, x).backward()
+            opt.step()
+            if step_scheduler_at_end or i < len(data) - 1:
+                sched.step()
+        if resume:
+            sd = opt.state_dict()
+            opt.close(finish=False)
+            opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, **SPLIT)
+            opt.load_state_dict(sd)
+        before = params_of(model)
+        opt.finish()
+        after = params_of(model)
+        opt.close()
+        return before, after, opt.param_groups[0]["lr"]
+
+    before, after, lr = train(True)
+    assert lr == 0.0  # the scheduler ended at 0: the lr a later step would have
+    assert not same_tensors(before, after), "finish() applied the open window at lr 0"
+    _, want, _ = train(False)  # the lr left at the last step's
+    assert same_tensors(after, want)

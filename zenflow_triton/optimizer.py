@@ -28,7 +28,7 @@ from .guards.finite_check import FiniteWatch, undo_of
 from .guards.inputs import NonFiniteGradientError, Work, check_names, check_params, collect
 from .host import HostPipeline, HostWorkerError
 from .host.apply import anything_pending, apply_pending
-from .host.window import close_windows
+from .host.window import close_windows, launched_at, step_hyper
 from .kernels import KernelOps, get_ops, resolve_backend
 from .lifecycle import HostThreads
 from .params import ParamIndex
@@ -91,6 +91,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         self._guard = StepGuard(self._pipeline)  # the failed state; all-or-nothing steps
         self._training = True
         self._global_step = 0
+        self._last_hyper: list[dict] | None = None  # of the last step (finish() launches at)
         self._own_threads(self._worker, self._host_adamw)
         self._counters = dict(selection_refreshes=0, host_updates=0, columns_migrated=0)
         self._finite = FiniteWatch.for_optimizer(cfg, self._backend, self._shard,
@@ -173,6 +174,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
                                                        lambda: setattr(self, "_global_step", step)))
         with self._guard.whole_step(lambda: self._global_step):
             self._global_step += 1
+            self._last_hyper = step_hyper(self.param_groups)  # (finish() launches at them)
             self._select(work, plan, moves)
             work, streamed = self._stream.resolve(work)  # cut by the selection in force
             direct = self._device_half(work, plan.single_step_window, streamed)
@@ -311,7 +313,9 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         self.synchronize()  # the job in flight and pending results first
         if any(map(window_open, self.state.values())):
             with self._guard.whole_step(lambda: self._global_step):  # all or nothing
-                self._launch({}, True, False, f"the open windows at step {self._global_step}")
+                with launched_at(self.param_groups, self._last_hyper):  # its last step's
+                    self._launch({}, True, False,
+                                 f"the open windows at step {self._global_step}")
                 self._drain()
 
     def close(self, finish: bool = True) -> None:

@@ -61,6 +61,7 @@ class StateDictMethods:
             self._guard.or_fail(self._pipeline.wait_all, self._global_step)
         sd = build(self.param_groups, self.state, self._params(), self._shard, gather=gather,
                    meta={"version": SD_VERSION, "global_step": self._global_step,
+                         "last_step_hyper": self._last_hyper,
                          "config": self.config.to_dict(), "backend": self._backend},
                    fsdp=self._fsdp, config=self.config)
         for hook in self._optimizer_state_dict_post_hooks.values():
@@ -111,6 +112,7 @@ class StateDictMethods:
         self._finite.discard()  # unread checks of the state being replaced
         self._prepared = None
         self._global_step = 0 if loaded.adamw else int(loaded.meta.get("global_step", 0))
+        self._last_hyper = None if loaded.adamw else loaded.meta.get("last_step_hyper")
         self._guard.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

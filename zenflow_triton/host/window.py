@@ -4,6 +4,7 @@ step size, where the result goes); the result is applied later (``host.apply``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -16,6 +17,34 @@ from .step_size import SUMS, sample_sums, window_lr
 from ..columns.layout import view2d
 from ..dist.fsdp import is_dtensor, local
 from ..state import MATRIX
+
+
+HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def step_hyper(param_groups: list[dict]) -> list[dict]:
+    """Each group's hyperparameters as a step runs with them (a window launched later, by
+    ``finish()``, takes its last step's: :func:`launched_at`)."""
+    return [{k: g[k] for k in HYPER} for g in param_groups]
+
+
+@contextlib.contextmanager
+def launched_at(param_groups: list[dict], hyper: list[dict] | None):
+    """The groups at ``hyper`` (:func:`step_hyper` of the window's last step) while a window
+    launches outside a step, then as they were. A window takes the hyperparameters of the
+    step that closes it; ``finish()`` closes the open window after that step, when a
+    scheduler has already written the next step's (lr 0 at the end of a linear decay)."""
+    if hyper is None or len(hyper) != len(param_groups):
+        yield
+        return
+    now = step_hyper(param_groups)
+    try:
+        for g, h in zip(param_groups, hyper):
+            g.update(h)
+        yield
+    finally:
+        for g, h in zip(param_groups, now):
+            g.update(h)
 
 
 class OnHost(NamedTuple):
