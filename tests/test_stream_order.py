@@ -211,3 +211,57 @@ def test_plain_cpu_copies_use_no_stream():
     out, wait = link.to_host_async(src)
     wait(0.0)
     assert torch.equal(out, src) and not link._streams
+
+
+def test_an_outbox_is_rewritten_only_after_the_copy_that_reads_it():
+    """Pinned-buffer reuse (issue 49): the apply copies an outbox to the device without
+    blocking; the next job writes its results into the same outbox only after waiting for
+    the work queued on the training stream before its launch (which includes the training
+    stream's wait for that copy). Without that wait a result would overwrite the outbox
+    while the last apply's copy still reads it."""
+    from zenflow_triton.host.pipeline import _outbox_store
+
+    calls: list[str] = []
+
+    class Queue:  # the job's CopyQueue, recording the order of its calls
+        def wait_launched(self) -> None:
+            calls.append("wait for the work queued before the launch")
+
+        def copy(self, dst, src) -> None:
+            calls.append("write the outbox")
+            dst.copy_(src)
+
+    box, master = torch.zeros(8), torch.arange(8.0)
+    store = _outbox_store(Queue(), box, master)
+    store(0, 4)
+    store(4, 8)
+    assert calls == ["wait for the work queued before the launch", "write the outbox"] * 2
+    assert torch.equal(box, master)
+
+
+def test_a_staging_buffer_is_not_relaunched_while_its_job_reads_it():
+    """The staging buffers (written by a job's copy-in, read by its host AdamW) are reused by
+    the next window's job only after this one was waited for: launching over a job in
+    flight is refused."""
+    import pytest
+
+    from zenflow_triton.host.adamw import HostHyper
+    from zenflow_triton.host.pipeline import HostPipeline, Window
+    from zenflow_triton.config import ZenFlowConfig
+
+    link = transfer.Link()
+    pipe = HostPipeline.for_config(link, ZenFlowConfig(host_threads=1))
+    try:
+        n = 16
+        w = Window("p", torch.zeros(2, n), torch.zeros(2, n), torch.zeros(2, n),
+                   HostHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                             step=1), "device_acc", torch.ones(2, n))
+        pipe.launch([w], apply_now=False, label="window 1")
+        with pytest.raises(AssertionError, match="still in flight"):
+            pipe.launch([w], apply_now=False, label="window 2")
+        pipe.wait()
+        pipe.launch([w], apply_now=False, label="window 2")  # after the wait: fine
+        pipe.wait()
+    finally:
+        pipe.worker.close()
+        pipe.adamw.close()
