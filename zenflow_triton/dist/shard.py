@@ -19,6 +19,7 @@ GPUs, CPU tensors with gloo). A single process is a world of one: no collective 
 
 from __future__ import annotations
 
+import collections
 import datetime
 from typing import Sequence
 
@@ -46,6 +47,8 @@ class RowShard:
         self.split_rows = split_rows
         self.bytes = 0
         """Bytes this rank has handed to the collectives it made (each one's input)."""
+        self._recent: collections.deque = collections.deque(maxlen=KEEP_WORKS)
+        """The last collectives' work objects, held from Python (see :meth:`_wait`)."""
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.rank, self.world = 0, 1
             self.device = torch.device("cpu")
@@ -242,12 +245,27 @@ class RowShard:
 
     def _wait(self, work, what: str) -> None:
         """Wait for an async collective, bounded by ``timeout``: a rank that never joins it
-        (dead, or stuck) makes this one raise instead of hang."""
+        (dead, or stuck) makes this one raise instead of hang.
+
+        The work object is then held from Python for the next :data:`KEEP_WORKS`
+        collectives: otherwise the backend's thread may release it last, after it is done
+        (gloo's run loop does), and releasing its tensors there takes the GIL; at exit that
+        thread then either waits forever for a main thread that joins it while holding the
+        GIL (a hang), or is ended by the finalizing interpreter inside a destructor that
+        may not throw (``terminate called without an active exception``, SIGABRT). Held
+        here, the last release happens on this thread, with the GIL
+        (docs/distributed.md, "The end of a run")."""
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except Exception as e:
             raise ShardError(f"{what}: the other ranks did not join within {self.timeout} s "
                              f"({type(e).__name__}: {e})") from e
+        self._recent.append(work)
+
+
+KEEP_WORKS = 4
+"""How many of its last collectives' work objects a RowShard holds (their tensors with them):
+older ones' run-loop iterations have ended long since."""
 
 
 def _raise_failed(failed: Sequence[int], what: str) -> None:
