@@ -142,7 +142,7 @@ class HostPipeline:
             def add_streamed(streamed=streamed) -> None:
                 for acc, part in streamed:
                     part.add_into(acc)
-            self._adds.append(self._worker.submit(add_streamed, f"host accumulation of {label}"))
+            self.submit(add_streamed, f"host accumulation of {label}")
         for acc, cols in items:
             if isinstance(cols, torch.Tensor):
                 groups.setdefault((cols.device, cols.dtype), []).append((acc, cols))
@@ -161,17 +161,11 @@ class HostPipeline:
 
             self._adds.append(self._worker.submit(add, f"host accumulation of {label}"))
 
-    def submit(self, fn, label: str):
-        """Run ``fn`` on the host worker, after every job queued before it (gradient
-        streaming's sums of micro-batches); its failure raises at the next :meth:`check`.
-        Returns the job (for :meth:`wait_job`)."""
-        job = self._worker.submit(fn, label)
-        self._adds.append(job)
-        return job
-
-    def wait_job(self, job) -> None:
-        """Wait (bounded) for a job of :meth:`submit`; its error raises here."""
-        self._held(lambda: self._worker.wait(job))
+    def submit(self, fn, label: str) -> None:
+        """Run ``fn`` on the host worker, after every job queued before it (a host
+        accumulation; gradient streaming's finalize of a step's host columns); its failure
+        raises at the next :meth:`check`, and :meth:`wait_all` waits for it."""
+        self._adds.append(self._worker.submit(fn, label))
 
     def check(self) -> None:
         """Raise the error of a failed host accumulation; forget the finished ones."""
