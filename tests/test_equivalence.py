@@ -222,6 +222,33 @@ def test_host_scale_follows_the_window_gradient_count(rule, interval, moves):
         assert_trajectories_close(got, want, interval, interval * lr)
 
 
+@pytest.mark.parametrize("rule,n", [(1.0, 4), ("auto", 4), (1.0, 3)])
+def test_a_window_takes_the_mean_of_its_steps_lrs(rule, n):
+    """Under a schedule a window's host step takes the mean of its own steps' learning rates,
+    not the lr of the step that closes it: with a constant gradient (every Adam step is
+    g / (|g| + eps)) and lrs 1, 2, 3, 4 x 1e-3 over a window of 4, a deferred column moves
+    2.5e-3 at host_lr_scale 1.0 (the closing step's lr would move it 4e-3) and 1e-2 under
+    "auto", as far as AdamW's four steps (1e-3 + ... + 4e-3). A window that gets its first
+    gradient at step 2 of 4 (n = 3) takes the mean of steps 2-4 (3e-3)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    w0 = p.detach().clone()
+    g = torch.randn(16, 8).sign() * (0.5 + torch.rand(16, 8))
+    opt = ZenFlowOptimizer([p], lr=1e-3, weight_decay=0.0, topk_ratio=0.0, update_interval=4,
+                           overlap=False, min_offload_numel=1, host_lr_scale=rule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: float(i + 1))
+    for t in range(1, 5):
+        p.grad = g.clone() if t > 4 - n else None
+        opt.step()
+        sched.step()
+    opt.close()
+    lrs = [1e-3 * i for i in range(5 - n, 5)]
+    mean = sum(lrs) / n
+    want = mean * (n if rule == "auto" else 1.0)
+    moved = (p.detach() - w0).abs()
+    torch.testing.assert_close(moved, torch.full_like(moved, want), rtol=1e-4, atol=0)
+
+
 # ------------------------------------------------------------------ against the reference
 SCHEDULES = [
     # "sqrt" below its cap (sqrt(4) = 2); the reference's default is the library's

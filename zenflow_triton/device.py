@@ -54,6 +54,8 @@ class DeviceHalf:
                                            to_host)
             else:
                 matrices += self._entries(p, g, st, single_step_window, direct, to_host)
+            if st["kind"] != SMALL and st["acc_count"] and "acc_lr" in st:
+                st["acc_lr"] += group["lr"]  # the window's mean lr: host.window.window_base_lr
         for (_, device), (group, small, matrices) in by_group.items():
             beta1, beta2 = group["betas"]
             hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],

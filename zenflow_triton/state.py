@@ -9,7 +9,8 @@ param holds two compact halves of its ``[rows, cols]`` view (``columns.layout.vi
   ``device_master`` fp32 [rows, k] when the param is bf16/fp16, ``device_step``;
 * ``host_idx`` [n] sorted (the complement), ``host_master``/``host_m``/``host_v`` [rows, n]
   in host memory (master fp32, moments in ``host_state_dtype``), ``host_step``;
-* ``acc`` (the window accumulator, or None), ``acc_count`` (gradients in it),
+* ``acc`` (the window accumulator, or None), ``acc_count`` (gradients in it), ``acc_lr``
+  (the sum of their steps' lrs),
   ``host_pending`` (a host result waits to be applied), ``selected``.
 
 Each half has one Adam step count: the exponent of the group's betas in its moments' bias
@@ -77,6 +78,7 @@ def matrix_state(p: torch.Tensor, device: torch.device, host_master: torch.Tenso
         "host_step": host_step,
         "acc": None,  # made by the first step that accumulates (new_accumulator)
         "acc_count": 0,
+        "acc_lr": 0.0,  # the sum of the lrs of the steps in the open window
         "host_pending": False,
     }
 
@@ -173,6 +175,7 @@ def restore_param_state(p: torch.Tensor, saved: dict, config: ZenFlowConfig,
         st["host_idx"] = st["host_idx"].cpu()
         if st.get("acc_count", 0) == 0:
             st["acc"] = None
+            st.setdefault("acc_lr", 0.0)  # (saved before the window's lrs were summed)
     return st
 
 

@@ -181,6 +181,7 @@ class ReferenceZenFlow:
                 if self.acc_dtype != torch.float32 and not (warm or self.ui == 1):
                     s["acc"][:, ~d] = s["acc"][:, ~d].to(self.acc_dtype).float()
                 s["n"] += 1
+                s["lr_sum"] = s.get("lr_sum", 0.0) + grp["lr"]
         if warm or u % self.ui == 0:
             if self.overlap and not warm:
                 self._apply_pending()
@@ -192,6 +193,7 @@ class ReferenceZenFlow:
                         continue
                     h = ~s["dev"]
                     n = s["n"]
+                    lr = s.pop("lr_sum") / n  # the mean of the window's steps' lrs
                     before = s["sh"]
                     s["sh"] += n if self.window_betas else 1
                     w, m, v = s["w"][:, h], s["m"][:, h], s["v"][:, h]
@@ -202,12 +204,12 @@ class ReferenceZenFlow:
                     scale = (1.0 if warm else float(s["n"]) if self.host_scale == "auto"
                              else min(math.sqrt(s["n"]), 2.0) if self.host_scale == "sqrt"
                              else (_adaptive(w, m, v, n, before / n, b1 ** n, b2 ** n,
-                                             grp["lr"]) if self.window_betas else
-                                   _adaptive(w, m, v, n, before, b1, b2, grp["lr"]))
+                                             lr) if self.window_betas else
+                                   _adaptive(w, m, v, n, before, b1, b2, lr))
                              if self.host_scale == "adaptive"
                              else float(self.host_scale))
                     decay = (b1 ** n, b2 ** n) if self.window_betas else None
-                    _adamw(w, mean, m, v, lr=grp["lr"] * scale, b1=b1, b2=b2,
+                    _adamw(w, mean, m, v, lr=lr * scale, b1=b1, b2=b2,
                            eps=grp["eps"], wd=grp["weight_decay"], step=s["sh"], decay=decay)
                     s["w"][:, h], s["m"][:, h], s["v"][:, h] = w, m, v
                     s["acc"].zero_()

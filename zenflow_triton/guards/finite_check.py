@@ -62,7 +62,7 @@ def undo_of(states: list[dict], set_step: Callable[[], None]) -> Callable[[], No
     """An undo of the host-side counters a steady step changes (each param's Adam step and
     window count, as they are in ``states`` now; ``set_step`` puts the optimizer's step count
     back): a deferred NaN/inf check undoes the steps it masked."""
-    saved = [(st, {k: st[k] for k in ("step", "device_step", "acc_count") if k in st})
+    saved = [(st, {k: st[k] for k in ("step", "device_step", "acc_count", "acc_lr") if k in st})
              for st in states]
 
     def undo() -> None:

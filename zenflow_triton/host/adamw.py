@@ -78,7 +78,8 @@ TIMEOUT_GRACE_S = 0.25
 
 @dataclass(frozen=True)
 class HostHyper:
-    """Hyperparameters of one host update, captured at the launching step.
+    """Hyperparameters of one host update, captured at the launching step (the lr: the mean of
+    the window's steps' lrs, ``host.window.window_base_lr``).
 
     ``grad_divisor``: the gradient is divided by it (in place, in the same pass as the
     update) first; the optimizer passes the window's step count so the update uses the

@@ -31,9 +31,10 @@ def step_hyper(param_groups: list[dict]) -> list[dict]:
 @contextlib.contextmanager
 def launched_at(param_groups: list[dict], hyper: list[dict] | None):
     """The groups at ``hyper`` (:func:`step_hyper` of the window's last step) while a window
-    launches outside a step, then as they were. A window takes the hyperparameters of the
-    step that closes it; ``finish()`` closes the open window after that step, when a
-    scheduler has already written the next step's (lr 0 at the end of a linear decay)."""
+    launches outside a step, then as they were. A window takes the betas, eps and weight
+    decay of the step that closes it (its lr: the mean of its steps', :func:`window_base_lr`);
+    ``finish()`` closes the open window after that step, when a scheduler has already written
+    the next step's."""
     if hyper is None or len(hyper) != len(param_groups):
         yield
         return
@@ -91,11 +92,12 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
     store_into = (p2d.view(-1) if apply_now and full_host and not sharded
                   and p2d.is_contiguous() else None)
     needs_box = store_into is None and (p.device.type == "cuda" or p.dtype != torch.float32)
+    base_lr = window_base_lr(st, group["lr"], count)
     st["acc_count"] = 0
     st["host_pending"] = True
     beta1, beta2, st["host_step"], step = window_betas(config.host_betas, *group["betas"],
                                                        st["host_step"], count)
-    lr, adaptive_window = window_lr(config.host_lr_scale, group["lr"], count, warmup)
+    lr, adaptive_window = window_lr(config.host_lr_scale, base_lr, count, warmup)
     hyper = HostHyper(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                       weight_decay=group["weight_decay"], step=step,
                       grad_divisor=float(count), adaptive_window=adaptive_window)
@@ -109,6 +111,18 @@ def close_window(group: dict, p: torch.Tensor, st: dict, config: ZenFlowConfig, 
             if sharded and source == "direct" else None)
     return Window(p, st["host_master"], st["host_m"], st["host_v"], hyper, source, grad,
                   store_into, p.detach() if needs_box else None, rows)
+
+
+def window_base_lr(st: dict, lr: float, count: int) -> float:
+    """The base learning rate of a window of ``count`` gradients that closes at a step of
+    ``lr``: the mean of its steps' own lrs (``st["acc_lr"]`` sums them), so a window under a
+    schedule moves its columns by what AdamW's steps would have summed to (a window that
+    closes in the lr warm-up does not take the larger lr of its last step, and one that
+    ``finish()`` closes after a decay to zero still applies its gradients). Resets the sum.
+    A state saved before the sum existed, mid-window, takes ``lr`` for that window."""
+    total = st.get("acc_lr")
+    st["acc_lr"] = 0.0
+    return lr if total is None else total / count
 
 
 def window_betas(mode: str, beta1: float, beta2: float, host_step: int,
