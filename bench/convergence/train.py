@@ -75,6 +75,12 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # the host in bf16, every matrix split (no dense set)
     "zenflow-lean": dict(host_lr_scale="adaptive", accumulate_on="host",
                          accumulator_dtype="bfloat16", **_SPLIT),
+    # what fits an 8B model on a 24 GB card (2048 tokens per step, gradient streaming): the
+    # lean corner at 1% of the columns on the device, a window of 8 with the window's moments'
+    # horizon and its result applied a step after it (issue 48)
+    "zenflow-lean-0.01x8-window-delay1": dict(
+        host_lr_scale="adaptive", accumulate_on="host", accumulator_dtype="bfloat16",
+        topk_ratio=0.01, update_interval=8, host_betas="window", apply_delay=1, **_SPLIT),
 }
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 
