@@ -45,6 +45,8 @@ from zenflow_triton.profiles import (Profile, load_profile, read_profile_file, s
 from . import stepmodel as M
 from . import study as S
 from .detect import versions
+from .realquality import (DEFAULT_BAR, KEY_LEFT_OUT, QUALITY_KEYS, RealStore, Verdict,
+                          bar_limits, load_store)
 from .names import slug
 from .space import apply_delay_for, betas_values, delay_steps
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
@@ -54,26 +56,19 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
            "QualityStore", "ModelledRow", "ModelledOutcome", "ModelledError",
            "default_quality_settings", "quality_study_name", "run_quality_grid",
            "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
-           "QUALITY_KEYS", "guard_line", "modelled_provenance", "default_save_name",
+           "QUALITY_KEYS", "guard_line", "real_quality_store", "peer_lines", "PEER_MODES", "modelled_provenance", "default_save_name",
            "load_hardware"]
 
 QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
 QUALITY_APPLY_DELAYS = (1.0,)
-QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
-                "dense_params", "apply_delay", "accumulator_dtype", "host_betas")
-"""The settings that change the optimizer's arithmetic, hence the quality (a grid point).
-A point's ``apply_delay`` of None (the default schedule), ``accumulator_dtype`` of "float32"
-and ``host_betas`` of "step" are left out of its key (:data:`KEY_LEFT_OUT`), so points
-stored before those were searched keep theirs."""
-KEY_LEFT_OUT = {"apply_delay": None, "accumulator_dtype": "float32", "host_betas": "step"}
-"""Values of :data:`QUALITY_KEYS` that a point's key leaves out (those settings' values
-before they were keys)."""
 LEAN_POINT = dict(dense_params=(), accumulator_dtype="bfloat16")
 """A grid point's lean variant: no dense set, the window summed in bf16 (and, where the model
 needs it, on the host: ``accumulate_on`` does not change the arithmetic of an fp32 sum, so
 :func:`rank_points` chooses it). What a model too large for its card with the dense set
 trains with; its quality is measured like any point's."""
+PEER_MODES = tuple(m for m in M.MODES if m != "zenflow")
+"""The modes a pick is printed beside (AdamW, ZeRO-Offload and its variants, state-swap)."""
 MAX_ATTEMPTS = 2
 """Training runs of one grid point that may fail (an exception, not a divergence) before the
 quality study gives up on it."""
@@ -180,6 +175,9 @@ class QualityPoint:
     trial: int
     cpu_throughput: float | None = None
     """Throughput of the run on the CPU that measured it (not used: speed is modelled)."""
+    verdict: Verdict | None = None
+    """A real-model point's verdict (:mod:`autotune.realquality`); then ``heldout_loss`` is
+    its worst held-out loss minus AdamW's over the workloads, in nats."""
 
 
 @dataclass
@@ -188,16 +186,28 @@ class QualityStore:
 
     study_name: str
     storage: str
-    settings: TuneSettings
+    settings: TuneSettings | None
+    """The quality study's objective (None for the real-model store)."""
     reference: dict[str, Any]
     limit: float
     points: list[QualityPoint]
     trials_run: int
     """Training runs this call made (0 when every point was already stored)."""
+    real: RealSource | None = None
+    """Where the quality came from real models (:func:`real_quality_store`), else None."""
 
     @property
     def n_feasible(self) -> int:
         return sum(p.feasible for p in self.points)
+
+
+@dataclass
+class RealSource:
+    """A quality store read from the real-model store: the store, the bar it was judged by,
+    and the points asked for that it has not measured (left out)."""
+    store: RealStore
+    bar: str
+    unmeasured: list[dict[str, Any]] = field(default_factory=list)
 
 
 def default_quality_settings(**overrides: Any) -> tuple[Callable[..., Any], TuneSettings]:
@@ -402,6 +412,48 @@ def _stored_points(study: optuna.Study, wanted: dict[str, dict[str, Any]]) -> li
     return out
 
 
+# ---- quality from real models -----------------------------------------------------------------
+def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
+                       path: str | Path | None = None) -> QualityStore:
+    """Quality points from the real-model store (:mod:`autotune.realquality`), nothing
+    trained: with ``grid``, its points, less those the store has not measured (listed in
+    ``real.unmeasured``, never interpolated); without, every setting class the store has
+    measured on its core workloads. A point is feasible when it passed ``bar`` on every
+    workload it was measured on."""
+    limits = bar_limits(bar)
+    rs = load_store(path)
+    wanted = (grid.points() if grid is not None else
+              [_quality_settings(e["settings"]) for e in rs.entries.values()])
+    points: list[QualityPoint] = []
+    unmeasured: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for settings in wanted:
+        v = rs.verdict(settings, bar)
+        if v.key in seen:
+            continue
+        seen.add(v.key)
+        if not v.measured:
+            if grid is not None:  # (the store's own partial rows are not asked for)
+                unmeasured.append(settings)
+            continue
+        excess = max(r.loss_delta - limits[r.kind]["loss"] for r in v.results)
+        points.append(QualityPoint(settings=settings, heldout_loss=v.worst_loss_delta,
+                                   violation=0.0 if v.passed else max(excess, 1e-9),
+                                   feasible=v.passed, diverged=False, trial=-1, verdict=v))
+    return QualityStore(study_name=f"real-models:{rs.path.name}", storage=str(rs.path),
+                        settings=None, reference={}, limit=math.nan, points=points,
+                        trials_run=0, real=RealSource(store=rs, bar=bar, unmeasured=unmeasured))
+
+
+def _quality_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings``' :data:`QUALITY_KEYS` as ``ZenFlowConfig`` resolves them (a grid point)."""
+    from zenflow_triton.config import ZenFlowConfig
+
+    cfg = ZenFlowConfig(**{k: v for k, v in settings.items() if k in QUALITY_KEYS})
+    return dict({k: getattr(cfg, k) for k in QUALITY_KEYS},
+                select_interval=cfg.effective_select_interval)
+
+
 # ---- speed from the model, and the choice ---------------------------------------------------
 @dataclass
 class ModelledRow:
@@ -473,7 +525,8 @@ def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None) ->
 
 
 def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: int = 1,
-                base_settings: dict[str, Any] | None = None) -> list[ModelledRow]:
+                base_settings: dict[str, Any] | None = None,
+                sharding: str = "ddp") -> list[ModelledRow]:
     """Every grid point with its modelled zenflow step (mode ``"zenflow"``, the point's
     settings over ``base_settings``, e.g. a profile's ``accumulate_on``), fastest first.
     ``eligible`` = feasible by the quality guard and fits in device memory. A point that
@@ -482,7 +535,8 @@ def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: in
     alike, so the point's measured quality holds for both."""
     rows = []
     for p in store.points:
-        pred, settings = _prediction(hw, wl, gpus, _over(base_settings or {}, p.settings))
+        pred, settings = _prediction(hw, wl, dict(gpus=gpus, sharding=sharding),
+                                     _over(base_settings or {}, p.settings))
         rows.append(ModelledRow(point=p, prediction=pred, settings=settings,
                                 throughput=wl.tokens / pred.modelled_step_time_s,
                                 eligible=p.feasible and pred.fits))
@@ -501,6 +555,9 @@ class ModelledOutcome:
     rows: list[ModelledRow]
     best: ModelledRow | None
     zero_offload: M.Prediction
+    sharding: str = "ddp"
+    peers: dict[str, M.Prediction] = field(default_factory=dict)
+    """The peer modes' predictions (:data:`PEER_MODES`) at the profile's base settings."""
     profile: Profile | None = None
     profile_path: Path | None = None
     notes: list[str] = field(default_factory=list)
@@ -517,12 +574,16 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
                  study_name: str | None = None, save_as: str | None = None,
                  profile_dir: str | Path | None = None,
                  host_adam_elements_per_s: float | None = None, lean: bool | None = None,
+                 quality: str = "workload", bar: str = DEFAULT_BAR, sharding: str = "ddp",
                  log: Callable[[str], None] = print, **grid_kw: Any) -> ModelledOutcome:
-    """Quality from the (shared, resumable) quality study, speed from the step model of
-    ``model`` on ``profile``'s hardware; the fastest feasible point that fits. Saves it as
-    profile ``save_as`` (when given) in ``profile_dir`` (default: the user profile dir).
-    ``lean``: search each point's :data:`LEAN_POINT` variant too (True), never (False), or
-    (None) where no plain point fits: then only the lean points that fit are trained.
+    """Quality from the (shared, resumable) quality study (``quality="workload"``) or from the
+    real-model store (``quality="real"``: nothing trained, judged by ``bar``;
+    :func:`real_quality_store`), speed from the step model of ``model`` on ``profile``'s
+    hardware (``gpus`` under ``sharding``: "ddp" or "fsdp2"); the fastest feasible point that
+    fits. Saves it as profile ``save_as`` (when given) in ``profile_dir`` (default: the user
+    profile dir). ``lean``: search each point's :data:`LEAN_POINT` variant too (True), never
+    (False), or (None) where no plain point fits: then only the lean points that fit are
+    trained (the real-model store holds the lean settings it measured as points of their own).
 
     Inputs are checked before any training: an unknown profile raises
     :class:`~zenflow_triton.profiles.ProfileNotFoundError`, an unknown preset or a profile
@@ -531,58 +592,76 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         raise ModelledError(f"gpus must be an int >= 1, got {gpus!r}")
     if mfu is not None and not 0 < mfu <= 1:
         raise ModelledError(f"mfu must be in (0, 1], got {mfu}")
+    if quality not in ("workload", "real"):
+        raise ModelledError(f"quality must be 'workload' or 'real', got {quality!r}")
+    if sharding not in M.SHARDINGS:
+        raise ModelledError(f"unknown sharding {sharding!r}; shardings: "
+                            f"{', '.join(M.SHARDINGS)}")
     prof, hw = load_hardware(profile, host_adam_elements_per_s)
     wl = _workload(model, tokens, mfu)
     if save_as is not None:
         validate_name(save_as)
-    if factory is None or ts is None:
-        f, t = default_quality_settings()
-        factory, ts = factory or f, ts or t
-    grid = grid or QualityGrid()
-    grid.points()  # validate before training
+    where = dict(gpus=gpus, sharding=sharding)
     # the grid point overrides the profile's quality settings; the rest (accumulate_on,
     # chunk_size, host_threads...) are kept as the profile has them, in its order
     base = dict(prof.settings)
-    only = None
-    if lean is None and not grid.lean and not any(
-            _fits(hw, wl, gpus, base, p) for p in grid.points()):
-        grid, only = dataclasses.replace(grid, lean=True), _lean_or_fits(hw, wl, gpus, base)
-        log(f"no grid point fits {wl.name} on {hw.name} with the dense set: adding the lean "
-            f"variant ({', '.join(f'{k}={v!r}' for k, v in LEAN_POINT.items())}) of each "
-            "point that then fits")
-    elif lean:
-        grid = dataclasses.replace(grid, lean=True)
-    store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
-                             study_name=study_name, log=log, only=only, **grid_kw)
-    rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base)
+    if quality == "real":
+        if grid is not None and lean:
+            grid = dataclasses.replace(grid, lean=True)
+        store = real_quality_store(grid, bar)
+        if store.real.unmeasured:
+            log(f"{len(store.real.unmeasured)} point(s) asked for are not measured on real "
+                "models: left out (bench/convergence/study.py measures a setting; "
+                "bench/convergence/quality_store.py adds it to the store)")
+    else:
+        if factory is None or ts is None:
+            f, t = default_quality_settings()
+            factory, ts = factory or f, ts or t
+        grid = grid or QualityGrid()
+        grid.points()  # validate before training
+        only = None
+        if lean is None and not grid.lean and not any(
+                _fits(hw, wl, where, base, p) for p in grid.points()):
+            grid, only = dataclasses.replace(grid, lean=True), _lean_or_fits(hw, wl, where, base)
+            log(f"no grid point fits {wl.name} on {hw.name} with the dense set: adding the "
+                f"lean variant ({', '.join(f'{k}={v!r}' for k, v in LEAN_POINT.items())}) of "
+                "each point that then fits")
+        elif lean:
+            grid = dataclasses.replace(grid, lean=True)
+        store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
+                                 study_name=study_name, log=log, only=only, **grid_kw)
+    rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base, sharding=sharding)
     eligible = [r for r in rows if r.eligible]
-    zo = M.predict(hw, wl, "zero-offload", gpus=gpus, config=M.zenflow_config(base))
+    zo = M.predict(hw, wl, "zero-offload", config=M.zenflow_config(base), **where)
     out = ModelledOutcome(store=store, hardware_profile=prof, hardware=hw, workload=wl,
                           gpus=gpus, rows=rows, best=eligible[0] if eligible else None,
-                          zero_offload=zo)
-    if not any(r.fits for r in rows):
-        out.notes.append(_nothing_fits(hw, wl, gpus, base, rows))
+                          zero_offload=zo, sharding=sharding,
+                          peers=M.predict_all(hw, wl, config=M.zenflow_config(base),
+                                              modes=PEER_MODES, **where))
+    if rows and not any(r.fits for r in rows):
+        out.notes.append(_nothing_fits(hw, wl, where, base, rows, store.real is not None))
     if out.best is not None and save_as is not None:
         out.profile = modelled_profile(out, save_as)
         out.profile_path = save_profile(out.profile, profile_dir)
     return out
 
 
-def _prediction(hw: M.Hardware, wl: M.Workload, gpus: int, settings: dict[str, Any]
-                ) -> tuple[M.Prediction, dict[str, Any]]:
+def _prediction(hw: M.Hardware, wl: M.Workload, where: dict[str, Any],
+                settings: dict[str, Any]) -> tuple[M.Prediction, dict[str, Any]]:
     """The modelled zenflow step of ``settings``, or, where it does not fit with the window
     summed on the device, of the same summed on the host, and then with the gradient
     streamed off the device during backward (the same arithmetic, bit for bit: see
-    :func:`rank_points`), with the settings it was made with."""
+    :func:`rank_points`), with the settings it was made with. ``where``: the ``gpus`` and
+    ``sharding`` of :func:`~autotune.stepmodel.predict`."""
     try:
         cfg = M.zenflow_config(settings)
     except M.StepModelError as e:
         raise ModelledError(f"settings {settings}: {e}") from None
-    pred = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg)
+    pred = M.predict(hw, wl, "zenflow", config=cfg, **where)
     for more in (dict(accumulate_on="host"), dict(accumulate_on="host", stream_grads=True)):
         if pred.fits or all(getattr(cfg, k) == v for k, v in more.items()):
             continue
-        leaner = M.predict(hw, wl, "zenflow", gpus=gpus, config=cfg.replace(**more))
+        leaner = M.predict(hw, wl, "zenflow", config=cfg.replace(**more), **where)
         if leaner.fits:
             return leaner, dict(settings, **more)
     return pred, settings
@@ -595,22 +674,22 @@ def _over(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def _fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any],
+def _fits(hw: M.Hardware, wl: M.Workload, where: dict[str, Any], base: dict[str, Any],
           point: dict[str, Any]) -> bool:
-    return _prediction(hw, wl, gpus, _over(base, point))[0].fits
+    return _prediction(hw, wl, where, _over(base, point))[0].fits
 
 
-def _lean_or_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any]
+def _lean_or_fits(hw: M.Hardware, wl: M.Workload, where: dict[str, Any], base: dict[str, Any]
                   ) -> Callable[[dict[str, Any]], bool]:
     """Keeps every plain point (the table shows them) and the lean points that fit."""
     def keep(point: dict[str, Any]) -> bool:
         lean = all(point.get(k) == v for k, v in LEAN_POINT.items())
-        return not lean or _fits(hw, wl, gpus, base, point)
+        return not lean or _fits(hw, wl, where, base, point)
     return keep
 
 
-def _nothing_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any],
-                  rows: list[ModelledRow]) -> str:
+def _nothing_fits(hw: M.Hardware, wl: M.Workload, where: dict[str, Any], base: dict[str, Any],
+                  rows: list[ModelledRow], real: bool = False) -> str:
     """Why no grid point fits, and what would (settings the grid does not search yet)."""
     need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
     has = (hw.device_memory_bytes or 0) / 1e9
@@ -618,15 +697,19 @@ def _nothing_fits(hw: M.Hardware, wl: M.Workload, gpus: int, base: dict[str, Any
             f"(activations of {wl.tokens} tokens included; host accumulation and gradient "
             f"streaming tried); {hw.name} has {has:.0f} GB, "
             f"{(hw.usable_device_bytes or 0) / 1e9:.1f} usable")
-    floor = M.params_and_grads_bytes(wl, gpus=gpus) / 1e9
+    floor = M.params_and_grads_bytes(wl, **where) / 1e9
     if floor > (hw.usable_device_bytes or 0) / 1e9:
         return text + (f": its params, two buckets of its largest gradient and the "
                        f"activations alone are {floor:.1f} GB (fewer tokens per step: --tokens)")
     cfg = M.zenflow_config(base)
-    lean = M.fitting_zenflow(hw, wl, gpus=gpus, config=cfg)
+    lean = M.fitting_zenflow(hw, wl, config=cfg, **where)
     if lean is None:
         return text
     names = ", ".join(f"{k}={v!r}" for k, v in M.lean_changes(lean, cfg).items())
+    if real:
+        return text + (f"; {names} would fit, a setting the real-model store has not "
+                       "measured (bench/convergence/study.py, then quality_store.py; or "
+                       "--quality workload to judge it on a workload)")
     return text + f"; {names} would fit (a point the grid does not hold: --topk-grid)"
 
 
@@ -640,8 +723,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
     measured_rate = bool(hw.host_adam_elements_per_s)
     zo_t = out.zero_offload.modelled_step_time_s
     p = best.prediction
-    ref = store.reference
-    return {
+    doc = {
         "source": "modelled",
         "measured": False,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -651,11 +733,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
         "tokens": wl.tokens,
         "mfu": wl.mfu,
         "dtype": wl.dtype,
-        "quality_study": store.study_name,
-        "quality_storage": store.storage,
-        "workload": store.settings.workload,
-        "loss_margin": store.settings.loss_margin,
-        "tune_settings": store.settings.to_dict(),
+        "sharding": out.sharding,
         "host_adam_elements_per_s_per_gpu": rate,
         "host_adam_source": (how if measured_rate else
                              f"the profile has no host_adam_elements_per_s (null): the step "
@@ -669,10 +747,6 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
             "device_memory_gb": round(p.device_memory_bytes / 1e9, 2),
             "zero_offload_step_time_s": zo_t,
             "speedup_vs_zero_offload": zo_t / p.modelled_step_time_s,
-            "heldout_loss": best.point.heldout_loss,
-            "loss_limit": store.limit,
-            "adamw_heldout_loss": ref.get("heldout_loss"),
-            "initial_heldout_loss": ref.get("initial_loss"),
         },
         "grid": {
             "topk_ratios": sorted({r.point.settings["topk_ratio"] for r in out.rows}),
@@ -682,14 +756,75 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
             "points": len(out.rows),
             "feasible": sum(r.point.feasible for r in out.rows),
             "fit": sum(r.fits for r in out.rows),
-            "quality_trial": best.point.trial,
         },
+        "peers": {m: {"step_time_s": pr.modelled_step_time_s if pr.fits else None,
+                      "fits": pr.fits,
+                      "device_memory_gb": round(pr.device_memory_bytes / 1e9, 2),
+                      "host_memory_gb": round(pr.host_memory_bytes / 1e9, 2)}
+                  for m, pr in out.peers.items()},
         "versions": versions(),
+    }
+    if store.real is None:  # the quality study's verdict, where it always was
+        ref = store.reference
+        doc["objective"].update(heldout_loss=best.point.heldout_loss, loss_limit=store.limit,
+                                adamw_heldout_loss=ref.get("heldout_loss"),
+                                initial_heldout_loss=ref.get("initial_loss"))
+        doc["grid"]["quality_trial"] = best.point.trial
+    doc.update(_quality_provenance(out))
+    return doc
+
+
+
+
+def _quality_provenance(out: ModelledOutcome) -> dict[str, Any]:
+    """Where a modelled profile's quality verdict came from: the real-model store (the
+    models, workloads, seeds and the chosen setting's result on each) or the quality study
+    on a workload (its objective and held-out losses)."""
+    store, best = out.store, out.best
+    if store.real is not None:
+        rs, v = store.real.store, best.point.verdict
+        return {
+            "quality": {
+                "source": "real models",
+                "summary": f"{v.summary()} (bar {store.real.bar!r}): "
+                           + "; ".join(r.describe() for r in v.results),
+                "bar": store.real.bar,
+                "limits": bar_limits(store.real.bar),
+                "setting_class": v.name,
+                "models": sorted({rs.workloads[r.workload]["model"] for r in v.results}),
+                "seeds": sorted({seed for r in v.results for seed in r.seeds}),
+                "workloads": {r.workload: {"seeds": list(r.seeds),
+                                           "loss_delta": r.loss_delta,
+                                           "accuracy_delta_pts": r.accuracy_delta_pts,
+                                           "task": rs.workloads[r.workload]["task"],
+                                           "model": rs.workloads[r.workload]["model"]}
+                              for r in v.results},
+                "store": {k: rs.provenance.get(k) for k in ("date", "commit", "command")},
+            },
+            "note": ("Settings chosen by zenflow-tune's modelled objective: the fastest "
+                     "setting by the step-time model (autotune/stepmodel; a prediction, not a "
+                     "measurement on this hardware) among those that fit in device memory and "
+                     "stayed within the quality bar of AdamW on every real-model fine-tune "
+                     "of the shipped store (autotune/data/real_quality.json, "
+                     "bench/convergence/). Run `zenflow-tune run` on the machine for "
+                     "measured settings."),
+        }
+    ref = store.reference
+    return {
+        "quality_study": store.study_name,
+        "quality_storage": store.storage,
+        "workload": store.settings.workload,
+        "loss_margin": store.settings.loss_margin,
+        "tune_settings": store.settings.to_dict(),
+        "quality": {"source": f"the workload {store.settings.workload!r}",
+                    "summary": f"held-out loss {best.point.heldout_loss:.4f} within the limit "
+                               f"{store.limit:.4f} (AdamW {ref.get('heldout_loss', math.nan):.4f}"
+                               f", margin {store.settings.loss_margin:g})"},
         "note": ("Settings chosen by zenflow-tune's modelled objective: the fastest grid "
-                 "point by the step-time model (autotune/stepmodel.py; a prediction, not a "
+                 "point by the step-time model (autotune/stepmodel; a prediction, not a "
                  "measurement on this hardware) among those whose held-out loss on the "
-                 "embedded CPU workload was within loss_margin of AdamW's (measured, "
-                 "hardware-independent) and whose state fits in device memory. "
+                 f"workload {store.settings.workload!r} was within loss_margin of AdamW's "
+                 "(measured, hardware-independent) and whose state fits in device memory. "
                  "chunk_size and host_threads do not change the result and are not chosen "
                  "here. Run `zenflow-tune run` on the machine for measured settings."),
     }
@@ -710,48 +845,114 @@ def modelled_profile(out: ModelledOutcome, name: str) -> Profile:
 
 # ---- reporting ---------------------------------------------------------------------------------
 def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
-    """The final table of a modelled run (like the measured run's)."""
+    """The final table of a modelled run (like the measured run's): the best eligible rows,
+    then the peers beside the pick (:func:`peer_lines`) and what the grid held."""
     store, wl = out.store, out.workload
     zo_t = out.zero_offload.modelled_step_time_s
+    real = store.real is not None
     # a betas column where the grid searched host_betas
     betas = any(r.point.settings.get("host_betas", "step") != "step" for r in out.rows)
+    quality = (f"{'dloss':>8} {'dacc':>6}" if real else f"{'loss':>7} {'limit':>7}")
     head = (f"{'rank':>4} {'tokens/s':>10} {'vs zero-off':>11} {'step s':>7} {'stall':>6} "
-            f"{'loss':>7} {'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5} {'delay':>5} "
+            f"{quality} {'topk':>6} {'upd':>4} {'sel':>5} {'delay':>5} "
             + (f"{'betas':<6} " if betas else "") + f"{'device side':<14}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(out.eligible[:top], 1):
         s = r.point.settings
+        if real:
+            acc = r.point.verdict.worst_accuracy_delta
+            q = f"{r.point.heldout_loss:>+8.4f} {'-' if acc is None else format(acc, '+.1f'):>6}"
+        else:
+            q = f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f}"
         lines.append(
             f"{i:>4} {r.throughput:>10,.0f} {zo_t / r.step_time_s:>10.2f}x "
-            f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} "
-            f"{r.point.heldout_loss:>7.4f} {store.limit:>7.4f} {s['topk_ratio']:>6.3g} "
-            f"{s['update_interval']:>4} {s['select_interval']:>5} {delay_steps(s):>5} "
-            + (f"{s.get('host_betas', 'step'):<6} " if betas else "")
+            f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} {q} "
+            f"{s['topk_ratio']:>6.3g} {s['update_interval']:>4} {s['select_interval']:>5} "
+            f"{delay_steps(s):>5} " + (f"{s.get('host_betas', 'step'):<6} " if betas else "")
             + f"{device_side(r.settings):<14}")
     if not out.eligible:
-        lines.append("  (no feasible grid point fits)")
-    ref = store.reference
+        lines.append("  (no feasible point fits)")
+    if real:
+        lines.append("dloss: the worst held-out loss minus AdamW's over the store's workloads "
+                     "(nats, mean of seeds); dacc: the worst accuracy minus AdamW's (points)")
     lines.append(f"modelled zero-offload: {wl.tokens / zo_t:,.0f} tokens/s per GPU "
-                 f"({zo_t:.3f} s/step); model {wl.name}, {out.gpus} GPU(s), {wl.tokens} "
-                 f"tokens/GPU/step on {out.hardware.name}")
+                 f"({zo_t:.3f} s/step); model {wl.name}, {out.gpus} GPU(s) ({out.sharding}), "
+                 f"{wl.tokens} tokens/GPU/step on {out.hardware.name}")
     faster = [r for r in out.rows if r.fits and not r.point.feasible
               and (out.best is None or r.throughput > out.best.throughput)]
     if faster:
         f = faster[0]
-        loss = ("diverged" if f.point.heldout_loss is None
-                else f"loss {f.point.heldout_loss:.4f}")
+        why = (f.point.verdict.summary() if real else "diverged"
+               if f.point.heldout_loss is None
+               else f"loss {f.point.heldout_loss:.4f} > {store.limit:.4f}")
         lines.append(f"fastest point overall: topk {f.point.settings['topk_ratio']:g}, "
                      f"interval {f.point.settings['update_interval']}, "
-                     f"{f.throughput:,.0f} tokens/s, infeasible ({loss} > {store.limit:.4f})")
+                     f"{f.throughput:,.0f} tokens/s, infeasible ({why})")
+    lines += peer_lines(out)
     n = len(out.rows)
     nf = sum(r.point.feasible for r in out.rows)
     fit = sum(r.fits for r in out.rows)
-    lines.append(f"grid: {n} points, {nf} feasible, {n - nf} infeasible, {fit} fit in device "
-                 f"memory; quality study {store.study_name!r} ({store.trials_run} run(s) "
-                 f"trained now), AdamW held-out loss {ref.get('heldout_loss', math.nan):.4f} "
-                 f"(from {ref.get('initial_loss') or math.nan:.4f})")
+    if real:
+        rs = store.real
+        lines.append(f"quality: {rs.store.describe()}; bar {rs.bar!r} "
+                     f"({_bar_text(rs.bar)}); {n} measured setting(s), {nf} within it, "
+                     f"{fit} fit in device memory"
+                     + (f"; {len(rs.unmeasured)} asked for but not measured: left out"
+                        if rs.unmeasured else ""))
+        if out.best is not None:
+            lines.append(f"the pick ({out.best.point.verdict.name}): "
+                         + "; ".join(r.describe() for r in out.best.point.verdict.results))
+    else:
+        ref = store.reference
+        lines.append(f"grid: {n} points, {nf} feasible, {n - nf} infeasible, {fit} fit in "
+                     f"device memory; quality study {store.study_name!r} ({store.trials_run} "
+                     f"run(s) trained now), AdamW held-out loss "
+                     f"{ref.get('heldout_loss', math.nan):.4f} (from "
+                     f"{ref.get('initial_loss') or math.nan:.4f})")
     lines += [f"note: {n}" for n in out.notes]
     return "\n".join(lines)
+
+
+def _bar_text(bar: str) -> str:
+    lim = bar_limits(bar)
+    c, lm = lim["classification"], lim["lm"]
+    return (f"classifiers within +{c['loss']:g} nats and {c['accuracy_pts']:g} points of AdamW, "
+            f"LMs within +{lm['loss']:g} nats")
+
+
+def peer_lines(out: ModelledOutcome) -> list[str]:
+    """The pick beside every peer mode the step model has for this model and card, with
+    device and host memory; where a peer that fits is faster, said plainly and by how much."""
+    rows = []
+    if out.best is not None:
+        p = out.best.prediction
+        rows.append(("zenflow (the pick)", p.modelled_step_time_s, p))
+    for mode, p in out.peers.items():
+        rows.append((mode, p.modelled_step_time_s if p.fits else None, p))
+    if not rows:
+        return []
+    lines = ["beside the peers (modelled, the same model and card):",
+             f"  {'mode':<20} {'step s':>8} {'device GB':>10} {'host GB':>8}"]
+    for name, t, p in rows:
+        lines.append(f"  {name:<20} {'no fit' if t is None else format(t, '.3f'):>8} "
+                     f"{p.device_memory_bytes / 1e9:>10.1f} {p.host_memory_bytes / 1e9:>8.1f}")
+    fits = {m: p.modelled_step_time_s for m, p in out.peers.items() if p.fits}
+    if out.best is None:
+        if fits:
+            m = min(fits, key=fits.get)
+            lines.append(f"no ZenFlow setting qualifies here: use {m} ({fits[m]:.3f} s/step, "
+                         "the fastest peer that fits)")
+        return lines
+    t = out.best.step_time_s
+    quicker = sorted((v, m) for m, v in fits.items() if v < t)
+    if quicker:
+        v, m = quicker[0]
+        lines.append(f"{m} is faster than the pick by {t / v - 1:.0%} ({v:.3f} s against "
+                     f"{t:.3f} s per step, modelled): prefer it on this card")
+    elif fits:
+        v, m = min((v, m) for m, v in fits.items())
+        lines.append(f"the pick is the fastest: {v / t:.2f}x the next, {m} ({v:.3f} s/step)")
+    return lines
 
 
 def device_side(settings: dict[str, Any]) -> str:
@@ -768,7 +969,11 @@ def device_side(settings: dict[str, Any]) -> str:
 
 
 def guard_line(store: QualityStore) -> str:
-    """The guard line (and warning) of the measured objective, for this store."""
+    """The guard line (and warning) of the measured objective, for this store; for the
+    real-model store, what it is."""
+    if store.real is not None:
+        return (f"quality guard: the real-model store, bar {store.real.bar!r} "
+                f"({_bar_text(store.real.bar)}, on every workload, mean of seeds)")
     return guard_summary(store.reference, store.settings.loss_margin)
 
 

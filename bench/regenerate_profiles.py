@@ -1,8 +1,10 @@
 """Regenerate the built-in GPU profiles' settings with the modelled objective.
 
 For every built-in profile with accelerator facts (all but ``cpu``) this picks, from the
-quality grid of ``autotune/modelled.py`` (trained once on the embedded CPU workload, stored
-in the tuner's default storage and reused), the fastest feasible point by the step-time
+setting classes of the real-model quality store (``autotune/data/real_quality.json``: real
+pretrained models fine-tuned against AdamW, 2 seeds; ``--quality workload``: the quality grid
+of ``autotune/modelled.py`` trained on the embedded CPU workload instead), the fastest
+point within the quality bar by the step-time
 model for ``--model`` (default ``llama2-7b``) on 1 GPU with 4096 tokens per step, and writes
 it into ``zenflow_triton/profiles/builtin/<name>.json``: ``settings`` (the quality settings;
 the others are kept) and ``provenance`` (``"source": "modelled"``, the model, GPUs, tokens,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -41,20 +44,26 @@ SKIP = ("cpu",)
 
 def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: int,
                tokens: int, storage: str | None, dry_run: bool, top: int,
-               headroom: float = 0.25, apply_delays: tuple[float, ...] | None = None) -> int:
-    factory, ts = MD.default_quality_settings()
-    grid = MD.QualityGrid(apply_delays=apply_delays) if apply_delays else None
-    store = MD.run_quality_grid(factory=factory, ts=ts, storage_url=storage, grid=grid,
-                                log=lambda m: print(m, flush=True))
-    print()
-    print(MD.guard_line(store))
-    ref = float(store.reference["heldout_loss"])
-    # A point chosen for a built-in profile keeps this share of the guard's allowance
-    # (limit - AdamW's loss): the fastest feasible point can pass by a hair, one seed's
-    # noise away from failing.
-    ceiling = store.limit - headroom * (store.limit - ref)
-    print(f"headroom {headroom:g}: a built-in profile's point needs a held-out loss <= "
-          f"{ceiling:.4f} (limit {store.limit:.4f}, AdamW {ref:.4f})")
+               headroom: float = 0.25, apply_delays: tuple[float, ...] | None = None,
+               quality: str = "real", bar: str = MD.DEFAULT_BAR) -> int:
+    if quality == "real":  # every setting class the real-model store measured, by its bar
+        store = MD.real_quality_store(None, bar)
+        ceiling = ref = math.inf
+        print(MD.guard_line(store))
+    else:
+        factory, ts = MD.default_quality_settings()
+        grid = MD.QualityGrid(apply_delays=apply_delays) if apply_delays else None
+        store = MD.run_quality_grid(factory=factory, ts=ts, storage_url=storage, grid=grid,
+                                    log=lambda m: print(m, flush=True))
+        print()
+        print(MD.guard_line(store))
+        ref = float(store.reference["heldout_loss"])
+        # A point chosen for a built-in profile keeps this share of the guard's allowance
+        # (limit - AdamW's loss): the fastest feasible point can pass by a hair, one seed's
+        # noise away from failing.
+        ceiling = store.limit - headroom * (store.limit - ref)
+        print(f"headroom {headroom:g}: a built-in profile's point needs a held-out loss <= "
+              f"{ceiling:.4f} (limit {store.limit:.4f}, AdamW {ref:.4f})")
     paths = sorted(builtin_profile_dir().glob("*.json"))
     chosen = []
     for path in paths:
@@ -69,12 +78,15 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
         for preset in [model] + [f for f in fallback if f != model]:
             wl = SM.Workload.from_preset(preset, tokens=tokens)
             rows = MD.rank_points(store, hw, wl, gpus=gpus, base_settings=dict(prof.settings))
-            zo = SM.predict(hw, wl, "zero-offload", gpus=gpus,
-                            config=SM.zenflow_config(dict(prof.settings)))
-            eligible = [r for r in rows if r.eligible and r.point.heldout_loss <= ceiling]
+            cfg = SM.zenflow_config(dict(prof.settings))
+            zo = SM.predict(hw, wl, "zero-offload", gpus=gpus, config=cfg)
+            eligible = [r for r in rows if r.eligible and (store.real is not None
+                                                           or r.point.heldout_loss <= ceiling)]
             out = MD.ModelledOutcome(store=store, hardware_profile=prof, hardware=hw,
                                      workload=wl, gpus=gpus, rows=rows,
-                                     best=eligible[0] if eligible else None, zero_offload=zo)
+                                     best=eligible[0] if eligible else None, zero_offload=zo,
+                                     peers=SM.predict_all(hw, wl, gpus=gpus, config=cfg,
+                                                          modes=MD.PEER_MODES))
             if out.best is not None:
                 break
             need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
@@ -94,10 +106,12 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
         prov["replaces"] = ("paper defaults (topk_ratio=0.1, update_interval=4) of the ZenFlow "
                             "paper, which the citations give")
         prov["regenerate"] = "python bench/regenerate_profiles.py"
-        prov["headroom"] = (f"chosen among points whose held-out loss leaves {headroom:g} of "
-                            f"the guard's allowance: {out.best.point.heldout_loss:.4f} <= "
-                            f"{ceiling:.4f} (limit {store.limit:.4f}, AdamW {ref:.4f}); "
-                            f"margin to the limit {store.limit - out.best.point.heldout_loss:.4f}")
+        if store.real is None:
+            prov["headroom"] = (
+                f"chosen among points whose held-out loss leaves {headroom:g} of the guard's "
+                f"allowance: {out.best.point.heldout_loss:.4f} <= {ceiling:.4f} (limit "
+                f"{store.limit:.4f}, AdamW {ref:.4f}); margin to the limit "
+                f"{store.limit - out.best.point.heldout_loss:.4f}")
         prov["citations"] = doc["provenance"].get("citations", [])
         settings = dict(doc["settings"])
         settings.update(out.best.point.settings)
@@ -144,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay-grid", default=None,
                     help="apply_delay values of the quality grid as fractions of each update "
                          "interval, comma-separated in (0, 1] (default 1: the next boundary)")
+    ap.add_argument("--quality", choices=("real", "workload"), default="real",
+                    help="real (default): the real-model store, nothing trained; workload: "
+                         "the quality grid trained on the embedded tiny LM")
+    ap.add_argument("--quality-bar", default=MD.DEFAULT_BAR, choices=("tuned", "default"))
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -161,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, MD.ModelledError) as e:
             ap.error(f"--delay-grid: {e}")
     return regenerate(a.profiles, a.model, fallback, a.gpus, a.tokens, a.storage, a.dry_run,
-                      a.top, a.headroom, delays)
+                      a.top, a.headroom, delays, a.quality, a.quality_bar)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,23 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--host-memory-gb", type=float, default=None, help=HOST_MEMORY_HELP)
     r.add_argument("--gpus", type=_pos_int, default=1,
                    help="modelled objective: data-parallel GPUs (default 1)")
+    r.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp",
+                   help="modelled objective: ddp (every GPU holds the whole model, the "
+                        "default) or fsdp2 (fully_shard: every GPU holds 1/N of the params, "
+                        "gradients and device state), as in predict")
+    r.add_argument("--quality", choices=("real", "workload"), default=None,
+                   help="modelled objective: where the quality verdict comes from. real (the "
+                        "default): the shipped store of fine-tunes of real pretrained models "
+                        "(SmolLM2-135M, MiniLM; 2 seeds each, against AdamW), nothing "
+                        "trained, settings it has not measured left out; workload (the "
+                        "default with --workload): a grid trained on the workload (the "
+                        "embedded tiny LM unless --workload: a fast demo, not a verdict)")
+    r.add_argument("--quality-bar", dest="quality_bar", choices=("tuned", "default"),
+                   default="tuned",
+                   help="with --quality real: how close to AdamW a setting must stay on every "
+                        "workload (tuned: +0.02 nats and -1.5 points for classifiers, +0.015 "
+                        "nats for LMs; default: +0.01, -0.5, +0.005, the goals of the "
+                        "library's defaults)")
     r.add_argument("--tokens", type=_pos_int, default=None,
                    help="modelled objective: tokens per GPU per step (default 4096)")
     r.add_argument("--mfu", type=float, default=None,

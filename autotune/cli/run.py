@@ -87,7 +87,10 @@ def _check_measured_options(args: argparse.Namespace) -> None:
                                     ("--interval-grid", args.interval_grid),
                                     ("--lean", args.lean != "auto"),
                                     ("--device-memory-gb", args.device_memory_gb),
-                                    ("--host-memory-gb", args.host_memory_gb)) if v]
+                                    ("--host-memory-gb", args.host_memory_gb),
+                                    ("--sharding", args.sharding != "ddp"),
+                                    ("--quality", args.quality),
+                                    ("--quality-bar", args.quality_bar != "tuned")) if v]
     if modelled_only:
         raise UsageError(f"{', '.join(modelled_only)}: only with --objective modelled")
     if args.save_as:
@@ -254,20 +257,40 @@ def run_modelled(args: argparse.Namespace) -> int:
             validate_name(save_as)
         except ProfileError as e:
             raise UsageError(f"--save-as: {e}") from None
+    lean = {"auto": None, "yes": True, "no": False}[args.lean]
+    where = (f"{args.model} on {prof.name!r} ({args.gpus} GPU(s), {args.sharding}, "
+             f"{args.tokens or DEFAULT_TOKENS} tokens/GPU/step), speed from the step model")
+    common = dict(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
+                  mfu=args.mfu, save_as=save_as, log=say, lean=lean, sharding=args.sharding)
+    if quality_source(args) == "real":
+        ts, grid = _quality_settings(args)
+        given = any(getattr(args, k) for k in ("topk_grid", "interval_grid", "delay_grid",
+                                                "betas_grid"))
+        print(f"modelled objective: {where}; quality from the real-model store (bar "
+              f"{args.quality_bar!r}; nothing trained)", flush=True)
+        out = MD.run_modelled(quality="real", bar=args.quality_bar,
+                              grid=grid if given else None, **common)
+        return _report_modelled(out, args.top)
     wl_name, factory = load_workload(args.workload)
     ts, grid = _quality_settings(args)
     prepare_workload(wl_name)  # once per machine, before any grid point trains
     url = storage_url(args)
-    print(f"modelled objective: {args.model} on {prof.name!r} ({args.gpus} GPU(s), "
-          f"{args.tokens or DEFAULT_TOKENS} tokens/GPU/step), speed from the step model; "
-          f"quality measured on {wl_name!r} ({ts.device}) in {S.redact_url(url)}",
-          flush=True)
-    out = MD.run_modelled(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
-                          mfu=args.mfu, factory=factory, ts=ts, grid=grid, storage_url=url,
-                          study_name=args.study, save_as=save_as, log=say,
-                          lean={"auto": None, "yes": True, "no": False}[args.lean],
+    demo = ("" if args.workload else " (the embedded tiny LM: a fast demo of the tuner, not a "
+            "verdict on real models: --quality real is)")
+    print(f"modelled objective: {where}; quality measured on {wl_name!r} ({ts.device}) in "
+          f"{S.redact_url(url)}{demo}", flush=True)
+    out = MD.run_modelled(factory=factory, ts=ts, grid=grid, storage_url=url,
+                          study_name=args.study, quality="workload", **common,
                           **heartbeat_options(args))
     return _report_modelled(out, args.top)
+
+
+def quality_source(args: argparse.Namespace) -> str:
+    """``--quality``, or its default: the real-model store, unless the user gave a
+    ``--workload`` of their own (their data decides)."""
+    if args.quality:
+        return args.quality
+    return "workload" if args.workload else "real"
 
 
 def _check_modelled_options(args: argparse.Namespace) -> None:
@@ -328,8 +351,10 @@ def _report_modelled(out: MD.ModelledOutcome, top: int) -> int:
         why = ("no grid point fits in device memory" if not any(r.fits for r in out.rows)
                else "no feasible grid point fits in device memory" if out.store.n_feasible
                else "every grid point missed the quality guard")
-        print(f"\n{why}: nothing saved. Try a smaller --model, more --gpus, a finer grid, "
-              "or a looser --loss-margin.", file=sys.stderr)
+        hint = ("a smaller --model, fewer --tokens, --sharding fsdp2 with more --gpus, "
+                "or --quality-bar tuned" if out.store.real is not None else
+                "a smaller --model, more --gpus, a finer grid, or a looser --loss-margin")
+        print(f"\n{why}: nothing saved. Try {hint}.", file=sys.stderr)
         return EXIT_RUNTIME
     b = out.best
     print(f"\nchosen: topk_ratio={b.point.settings['topk_ratio']:g}, update_interval="

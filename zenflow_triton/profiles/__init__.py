@@ -312,6 +312,11 @@ def describe(profile: Profile) -> str:
     lines += [f"    {k} = {v!r}" for k, v in profile.settings.items()]
     lines.append("  hardware:")
     lines += [f"    {k} = {v}" for k, v in _flatten(profile.hardware)]
+    quality = profile.provenance.get("quality")
+    if isinstance(quality, dict) and quality.get("summary"):
+        lines.append(f"  quality: {quality.get('source', '?')}: {quality['summary']}; models "
+                     f"{', '.join(map(str, quality.get('models') or []))}; seeds "
+                     f"{', '.join(map(str, quality.get('seeds') or []))}")
     lines.append("  provenance:")
     lines += [f"    {k} = {v}" for k, v in _flatten(profile.provenance)]
     return "\n".join(lines)

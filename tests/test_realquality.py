@@ -1,0 +1,213 @@
+"""The real-model quality store (autotune/realquality.py, autotune/data/real_quality.json) and
+the modelled tuner that reads it: the store is what the convergence study's rows say, a
+setting passes only where it was measured and stayed within the bar on every workload, an
+unmeasured setting is left out (never interpolated), and a pick is printed beside the peers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune import cli
+from autotune import modelled as MD
+from autotune import realquality as RQ
+from zenflow_triton.profiles import PROFILE_DIR_ENV, describe, load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path / "profiles"))
+    monkeypatch.setenv("ZENFLOW_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path
+
+
+def test_the_shipped_store_is_what_the_study_rows_say():
+    """Rebuilt from bench/convergence/data by bench/convergence/quality_store.py, the store
+    equals the shipped one (dates and commits aside): no figure in it is typed by hand."""
+    r = subprocess.run([sys.executable, "bench/convergence/quality_store.py", "--check"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "up to date" in r.stdout
+
+
+def test_the_shipped_store_loads_with_provenance_and_its_core_measured():
+    store = RQ.load_store()
+    pv = store.provenance
+    assert pv["commit"] and pv["date"] and "quality_store.py" in pv["command"]
+    assert pv["sources"] and all(s["file"].startswith("bench/convergence/data/")
+                                 for s in pv["sources"])
+    assert {"smollm2", "minilm"} <= set(store.core)
+    kinds = {store.workloads[w]["kind"] for w in store.core}
+    assert kinds == {"lm", "classification"}
+    # the library's defaults are measured on every core workload at 2 seeds
+    from zenflow_triton.config import ZenFlowConfig
+    v = store.verdict({}, "tuned")
+    assert v.measured and not v.missing and v.name == "zenflow-adaptive-dense"
+    assert all(len(r.seeds) >= 2 for r in v.results if r.workload in store.core)
+    assert ZenFlowConfig().topk_ratio == 0.1  # (what {} stands for)
+
+
+def _store(tmp_path, entries, core=("lm1", "cls1")) -> Path:
+    doc = {"format": 1, "provenance": {"date": "2026-12-06", "commit": "abc", "seeds": [0, 1]},
+           "core": list(core),
+           "workloads": {"lm1": {"model": "M1", "kind": "lm", "task": "t"},
+                         "cls1": {"model": "M2", "kind": "classification", "task": "t"},
+                         "cls2": {"model": "M2", "kind": "classification", "task": "t"}},
+           "entries": entries}
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _entry(name, settings, **results):
+    return {"name": name, "settings": settings,
+            "results": {w: dict(seeds=[0, 1], **r) for w, r in results.items()}}
+
+
+def test_verdicts_pass_fail_and_unmeasured_by_the_bar(tmp_path):
+    path = _store(tmp_path, [
+        _entry("ok", {}, lm1=dict(loss_delta=0.004), cls1=dict(loss_delta=0.009,
+                                                                accuracy_delta_pts=-0.4)),
+        _entry("acc", {"topk_ratio": 0.02, "update_interval": 8},
+               lm1=dict(loss_delta=0.0), cls1=dict(loss_delta=0.0, accuracy_delta_pts=-1.6)),
+        _entry("lm", {"topk_ratio": 0.05}, lm1=dict(loss_delta=0.016),
+               cls1=dict(loss_delta=-0.01, accuracy_delta_pts=0.5)),
+        _entry("half", {"topk_ratio": 0.2}, lm1=dict(loss_delta=0.0)),
+        _entry("extra", {"topk_ratio": 0.3}, lm1=dict(loss_delta=0.0),
+               cls1=dict(loss_delta=0.0, accuracy_delta_pts=0.0),
+               cls2=dict(loss_delta=0.05, accuracy_delta_pts=0.0)),
+    ])
+    store = RQ.load_store(path)
+    ok = store.verdict({"topk_ratio": 0.1, "update_interval": 4, "select_interval": 64})
+    assert ok.measured and ok.passed and "passed on 2" in ok.summary()
+    assert store.verdict({}, "default").passed  # +0.009 <= 0.01, -0.4 >= -0.5
+    acc = store.verdict({"topk_ratio": 0.02, "update_interval": 8}, "tuned")
+    assert acc.measured and not acc.passed and "accuracy -1.6 pts < -1.5" in acc.failed[0].why
+    lm = store.verdict({"topk_ratio": 0.05})
+    assert not lm.passed and lm.failed[0].workload == "lm1"
+    assert store.verdict({"topk_ratio": 0.05}, "default").failed[0].why.startswith("loss")
+    half = store.verdict({"topk_ratio": 0.2})
+    assert not half.measured and not half.passed and half.missing == ("cls1",)
+    assert "not measured" in half.summary()
+    # a workload beyond the core counts against a setting measured on it
+    extra = store.verdict({"topk_ratio": 0.3})
+    assert extra.measured and not extra.passed and extra.failed[0].workload == "cls2"
+    never = store.verdict({"topk_ratio": 0.5})
+    assert not never.measured and never.name is None
+    with pytest.raises(RQ.RealStoreError, match="unknown quality bar 'loose'"):
+        store.verdict({}, "loose")
+
+
+def test_setting_keys_name_the_arithmetic_not_the_spelling():
+    key = RQ.setting_key
+    assert key({}) == key({"topk_ratio": 0.1, "update_interval": 4, "select_interval": 64,
+                           "apply_delay": 4, "host_lr_scale": "adaptive"})
+    assert key({"accumulate_on": "host", "stream_grads": True}) == key({})  # same arithmetic
+    assert key({"dense_params": []}) == key({"dense_params": ()}) != key({})
+    assert key({"apply_delay": 1}) != key({})
+    assert key({"host_betas": "window"}) != key({})
+    assert key({"overlap": False}) != key({})
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "not readable JSON"),
+    ('{"format": 2}', "format 2"),
+    ('{"format": 1, "core": ["x"], "workloads": {}, "entries": []}', "not described"),
+    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm"}}, '
+     '"entries": [{"name": "n", "settings": {}, "results": {"v": {"loss_delta": 0, '
+     '"seeds": [0]}}}]}', "unknown workload 'v'"),
+    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm"}}, '
+     '"entries": [{"name": "n", "settings": {}, "results": {"w": {"seeds": [0]}}}]}',
+     "malformed"),
+])
+def test_a_corrupt_store_names_the_file_and_the_problem(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(RQ.RealStoreError, match=match) as e:
+        RQ.load_store(path)
+    assert str(path) in str(e.value)
+    with pytest.raises(RQ.RealStoreError, match="no such file"):
+        RQ.load_store(tmp_path / "missing.json")
+
+
+def test_the_40gb_a100_llama3_8b_run_saves_a_windowed_setting_from_real_models(dirs, capsys):
+    """The run of issue 48 (it saved nothing on the tiny LM's verdict): from the real-model
+    store it saves a setting with a window that fits, and names the workloads it passed on."""
+    argv = ["run", "--objective", "modelled", "--profile", "a100-pcie4", "--device-memory-gb",
+            "40", "--model", "llama3-8b", "--save-as", "mine"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "quality from the real-model store" in out and "nothing trained" in out
+    assert "beside the peers" in out and "zero-offload-dpu" in out
+    prof = load_profile("mine")
+    assert prof.settings["update_interval"] > 1
+    q = prof.provenance["quality"]
+    assert q["source"] == "real models" and q["bar"] == "tuned"
+    assert set(q["workloads"]) >= set(RQ.load_store().core)
+    assert "SmolLM2-135M-Instruct" in q["models"] and q["seeds"] == [0, 1]
+    assert "passed on" in q["summary"]
+    text = describe(prof)
+    assert "quality: real models: passed on" in text and "seeds 0, 1" in text
+
+
+def test_points_the_store_lacks_are_left_out_and_said(dirs):
+    grid = MD.QualityGrid(topk_ratios=(0.1, 0.3), update_intervals=(4,))
+    lines = []
+    out = MD.run_modelled(profile="a100-pcie4", model="llama2-7b", quality="real", grid=grid,
+                          log=lines.append)
+    assert [r.point.settings["topk_ratio"] for r in out.rows] == [0.1]
+    assert [p["topk_ratio"] for p in out.store.real.unmeasured] == [0.3]
+    assert any("1 point(s) asked for are not measured" in m for m in lines)
+    assert "1 asked for but not measured: left out" in MD.format_modelled_table(out)
+
+
+def test_a_faster_peer_is_named_with_its_margin(dirs):
+    """A small model on a big card: AdamW fits and its step is shorter than any offload; the
+    report says so plainly instead of only the speed-up over ZeRO-Offload."""
+    out = MD.run_modelled(profile="h100-sxm5", model="qwen3-0.6b", quality="real", log=print)
+    assert out.best is not None and out.peers["adamw"].fits
+    text = "\n".join(MD.peer_lines(out))
+    t_pick, t_adamw = out.best.step_time_s, out.peers["adamw"].modelled_step_time_s
+    assert t_adamw < t_pick
+    assert f"adamw is faster than the pick by {t_pick / t_adamw - 1:.0%}" in text
+
+
+def test_run_takes_sharding_like_predict(dirs, capsys):
+    base = ["run", "--objective", "modelled", "--profile", "h200-sxm", "--model", "llama3-70b",
+            "--gpus", "8", "--no-profile"]
+    code = cli.main(base + ["--sharding", "fsdp2"])
+    out = capsys.readouterr().out
+    assert "(8 GPU(s), fsdp2," in out and "(fsdp2)" in out
+    fsdp = MD.run_modelled(profile="h200-sxm", model="llama3-70b", gpus=8, sharding="fsdp2",
+                           quality="real", log=lambda m: None)
+    ddp = MD.run_modelled(profile="h200-sxm", model="llama3-70b", gpus=8, quality="real",
+                          log=lambda m: None)
+    # fsdp2 holds 1/8 of the params, gradients and state per GPU: less memory at every point
+    for a, b in zip(fsdp.rows, ddp.rows):
+        assert a.prediction.device_memory_bytes < b.prediction.device_memory_bytes
+    assert code == (0 if fsdp.best is not None else 2)
+    assert cli.main(["run", "--sharding", "fsdp2"]) == 1
+    assert "--sharding: only with --objective modelled" in capsys.readouterr().err
+
+
+def test_the_tiny_lm_verdict_says_it_is_a_demo(dirs, capsys, monkeypatch):
+    """``--quality workload`` without a workload of the user's trains the embedded tiny LM and
+    says that its verdict is a demo; the grid is kept tiny here."""
+    calls = {}
+
+    def fake_run(**kw):
+        calls.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(MD, "run_modelled", fake_run)
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--objective", "modelled", "--profile", "a100-pcie4", "--model",
+                  "llama2-7b", "--quality", "workload", "--no-profile"])
+    assert "a fast demo of the tuner, not a verdict" in capsys.readouterr().out
+    assert calls["quality"] == "workload"
