@@ -339,9 +339,12 @@ def _run_study(storage, *, study_name, factory, ts, space, n_trials, storage_url
         # again after the trials and keep the best of its measurements, so the "vs AdamW"
         # ratio does not rest on one unlucky run.
         again = measure_reference(factory, ts)
+        samples = list(reference.get("throughput_samples") or [reference["throughput"]])
+        samples.append(again["throughput"])
         reference = dict(reference,
                          throughput=max(reference["throughput"], again["throughput"]),
-                         throughput_measurements=reference.get("throughput_measurements", 1) + 1)
+                         throughput_measurements=reference.get("throughput_measurements", 1) + 1,
+                         throughput_samples=samples)
         study.set_user_attr("reference", reference)
     fail_stale(study)
     if failures["n"] >= max_consecutive_failures:
@@ -425,6 +428,23 @@ def _fmt_scale(v: Any) -> str:
     return v if isinstance(v, str) else ("?" if v is None else f"{v:.2f}")
 
 
+NOISE_SPREAD = 1.25
+"""AdamW's throughput measured before and after the trials: when the faster is more than this
+times the slower, the machine's noise is larger than what a "vs AdamW" ratio could show."""
+
+
+def reference_noise(ref: dict[str, Any]) -> str | None:
+    """Why the "vs AdamW" column is left out (AdamW's measurements disagree by more than
+    :data:`NOISE_SPREAD`), or None when it stands."""
+    samples = [x for x in ref.get("throughput_samples") or [] if x]
+    if len(samples) < 2 or max(samples) <= NOISE_SPREAD * min(samples):
+        return None
+    unit = ref.get("unit", "items")
+    return (f"AdamW's throughput measured {', '.join(f'{x:,.0f}' for x in samples)} {unit}/s "
+            f"on this machine (a spread of {max(samples) / min(samples):.2f}x, above "
+            f"{NOISE_SPREAD:g}x): the machine is too noisy for a ratio to mean anything")
+
+
 def format_table(study: optuna.Study, top: int = 5) -> str:
     """The final table: best feasible trials, plus counts of the rest."""
     trials = study.get_trials(deepcopy=False)
@@ -435,9 +455,11 @@ def format_table(study: optuna.Study, top: int = 5) -> str:
             f"{'limit':>7} {'topk':>6} {'upd':>4} {'sel':>5} {'chunk':>6} {'thr':>4} "
             f"{'lr_scale':>8} {'delay':>5}")
     lines = [head, "-" * len(head)]
+    noisy = reference_noise(ref)
     for i, t in enumerate(ft, 1):
         s = t.user_attrs["settings"]
-        rel = t.value / ref["throughput"] if ref.get("throughput") else float("nan")
+        rel = (t.value / ref["throughput"] if ref.get("throughput") and noisy is None
+               else float("nan"))
         lines.append(
             f"{i:>4} {t.number:>5} {t.value:>11,.0f} {rel:>7.2f}x {t.user_attrs['heldout_loss']:>7.4f} "
             f"{t.user_attrs['loss_limit']:>7.4f} {s['topk_ratio']:>6.3f} {s['update_interval']:>4} "
@@ -448,6 +470,8 @@ def format_table(study: optuna.Study, top: int = 5) -> str:
         lines.append("  (no feasible trial)")
     n = {s: sum(t.state == s for t in trials) for s in TrialState}
     infeasible = sum(1 for t in trials if t.state == TrialState.COMPLETE and not is_feasible(t))
+    if noisy is not None:
+        lines.append(f"vs AdamW left out: {noisy}")
     lines.append(
         f"AdamW reference: {ref.get('throughput', float('nan')):,.0f} {unit}/s, held-out loss "
         f"{ref.get('heldout_loss', float('nan')):.4f} (from {ref.get('initial_loss') or float('nan'):.4f})")

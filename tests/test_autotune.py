@@ -728,3 +728,21 @@ def test_space_searches_host_betas_only_when_asked():
 def test_space_rejects_unknown_host_betas(values):
     with pytest.raises(ValueError, match=r"host_betas values to search are \['step', 'window'\]"):
         SearchSpace(host_betas=values)
+
+
+def test_vs_adamw_is_left_out_when_adamw_itself_swings():
+    """AdamW's throughput is measured before and after the trials; where the two disagree by
+    more than NOISE_SPREAD the "vs AdamW" column is left out with the reason, not printed as
+    a ratio that swings from run to run."""
+    from autotune.study import NOISE_SPREAD, format_table, reference_noise
+
+    steady = {"throughput": 1000.0, "throughput_samples": [950.0, 1000.0], "unit": "tokens"}
+    swinging = {"throughput": 2000.0, "throughput_samples": [700.0, 2000.0], "unit": "tokens"}
+    assert reference_noise(steady) is None and reference_noise({"throughput": 5.0}) is None
+    why = reference_noise(swinging)
+    assert "700, 2,000 tokens/s" in why and f"above {NOISE_SPREAD:g}x" in why
+    study = optuna.create_study()
+    study.set_user_attr("reference", dict(swinging, heldout_loss=1.0, initial_loss=2.0))
+    assert "vs AdamW left out: AdamW's throughput measured 700, 2,000" in format_table(study)
+    study.set_user_attr("reference", dict(steady, heldout_loss=1.0, initial_loss=2.0))
+    assert "left out" not in format_table(study)
