@@ -746,3 +746,12 @@ def test_vs_adamw_is_left_out_when_adamw_itself_swings():
     assert "vs AdamW left out: AdamW's throughput measured 700, 2,000" in format_table(study)
     study.set_user_attr("reference", dict(steady, heldout_loss=1.0, initial_loss=2.0))
     assert "left out" not in format_table(study)
+
+
+def test_the_embedded_workloads_verdict_says_it_is_a_demo(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ZENFLOW_DATA_DIR", str(tmp_path))
+    url = f"sqlite:///{tmp_path / 'demo.db'}"
+    assert cli.main(["run", "--n-trials", "1", "--steps", "4", "--skip-steps", "1",
+                     "--no-profile", "--storage", url, "--device", "cpu"]) in (0, 2)
+    out = capsys.readouterr().out
+    assert "the embedded tiny LM: a fast demo of the tuner, not a verdict" in out

@@ -55,6 +55,10 @@ def run_measured(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + timeout if timeout else None
     url = storage_url(args)
     print(f"study {study_name!r} in {S.redact_url(url)}")
+    if not args.workload:
+        print(f"quality is judged on {wl_name!r}, the embedded tiny LM: a fast demo of the "
+              "tuner, not a verdict on what you train (--workload module:function judges on "
+              "your data; --objective modelled judges on real pretrained models)")
     if not args.study:
         older = S.other_studies(url, base_name, study_name)
         if older:
