@@ -17,7 +17,7 @@ import torch
 from .names import slug
 
 __all__ = ["detect", "matching_builtin", "hardware_slug", "measure_host_adam",
-           "host_adam_settings", "usable_cpus"]
+           "host_adam_times", "host_adam_settings", "usable_cpus"]
 
 
 def _cpu_model() -> str:
@@ -158,8 +158,24 @@ def measure_host_adam(numel: int = 1 << 24, repeats: int = 5, *, threads: int | 
     model are), with the optimizer's default window (``grad_divisor`` = ``update_interval``),
     on ``threads`` workers with pieces of at most ``chunk_size`` elements (defaults: what the
     optimizer uses, see :func:`host_adam_settings`). ``warmup`` untimed calls, then the
-    median of ``repeats`` timed ones; returns ``numel`` / that median.
+    median of ``repeats`` timed ones (:func:`host_adam_times`); returns ``numel`` / that
+    median.
     """
+    times = host_adam_times(numel, repeats, threads=threads, chunk_size=chunk_size,
+                            warmup=warmup)
+    median = statistics.median(times)
+    if not median > 0:
+        raise RuntimeError(f"measure_host_adam: timer resolution too coarse for {numel} "
+                           "elements (median time 0); measure more elements")
+    return numel / median
+
+
+def host_adam_times(numel: int = 1 << 24, repeats: int = 5, *, threads: int | None = None,
+                    chunk_size: int | None = None, warmup: int = 1,
+                    seconds: float | None = None) -> list[float]:
+    """The seconds of each timed host AdamW call of :func:`measure_host_adam` (same buffers,
+    settings and warm-up). ``seconds``: stop early once the timed calls add up to that
+    much, after at least ``min(repeats, 3)`` of them (``repeats`` is then the most)."""
     from zenflow_triton import ZenFlowConfig
     from zenflow_triton.host import HostAdamW, HostHyper
 
@@ -185,10 +201,9 @@ def measure_host_adam(numel: int = 1 << 24, repeats: int = 5, *, threads: int | 
             if i >= warmup:
                 times.append(time.perf_counter() - t)
             grad.mul_(divisor)  # undo the in-place division (untimed): same gradient each call
+            if (seconds is not None and len(times) >= min(repeats, 3)
+                    and sum(times) >= seconds):
+                break
     finally:
         adamw.close()
-    median = statistics.median(times)
-    if not median > 0:
-        raise RuntimeError(f"measure_host_adam: timer resolution too coarse for {numel} "
-                           "elements (median time 0); measure more elements")
-    return numel / median
+    return times

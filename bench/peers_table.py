@@ -40,8 +40,7 @@ def row(model: str, profile: str, gpus: int, sharding: str, tokens: int) -> str:
             setting += " + " + ", ".join(f"{k}={v!r}" for k, v in M.lean_changes(lean, cfg).items())
     peers = {m: M.predict(hw, wl, m, **kw) for m in PEERS}
     fitting = {m: p for m, p in peers.items() if p.fits}
-    head = (f"| `{profile}` | {gpus} ({sharding}) | {tokens} | {hw.link_bandwidth / 1e9:.0f} "
-            f"| ")
+    head = (f"| `{profile}` | {gpus} ({sharding}) | {tokens} | {_link(hw)} | ")
     if not zen.fits:
         return head + "does not fit | - | - | - |"
     if not fitting:
@@ -58,6 +57,15 @@ def row(model: str, profile: str, gpus: int, sharding: str, tokens: int) -> str:
             f"{fitting[best].step_time_s:.2f} s | {ratio:.2f}x | {verdict} |")
 
 
+def _link(hw: M.Hardware) -> str:
+    """The link figures the model uses, GB/s: host to device / device to host, and host to
+    device while device to host is busy where that is slower."""
+    out = f"{hw.h2d / 1e9:.0f} / {hw.d2h / 1e9:.0f}"
+    if hw.h2d_while_d2h < hw.h2d:
+        out += f" ({hw.h2d_while_d2h / 1e9:g} to GPU while both busy)"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-8b")
@@ -67,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
           "fp32 logits) and 10% left free; the profile's ZenFlow settings (made leaner where "
           "they do not fit)")
     print()
-    print("| profile | GPUs | tokens/GPU | link GB/s | ZenFlow step | strongest peer that fits | "
-          "peer / ZenFlow | faster |")
+    print("| profile | GPUs | tokens/GPU | link GB/s to GPU / to host | ZenFlow step | "
+          "strongest peer that fits | peer / ZenFlow | faster |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     gpus = [p.name for p in list_profiles() if p.name != "cpu" and p.source == "builtin"]
     for name in gpus:

@@ -1,7 +1,8 @@
 """What a fast link changes: the step-time model's table for docs/stepmodel.md.
 
-GH200's device and memory (the ``gh200`` profile), with the host link and the host AdamW
-rate replaced by each pair given, for llama2-7b at 4096 tokens on 1 GPU; every offload mode
+GH200's device and memory (the ``gh200`` profile), with the host link (the same figure
+both ways, no contention: ``Hardware.with_link``) and the host AdamW rate replaced by each
+pair given, for llama2-7b at 4096 tokens on 1 GPU; every offload mode
 and ZenFlow at ``--topk-ratio`` x ``--update-interval`` (default: the paper's 0.1 x 4).
 Model predictions, not measurements.
 
@@ -36,7 +37,7 @@ def table(topk_ratio: float, update_interval: int, links=(32, 64, 450),
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for rate in rates:
         for link in links:
-            hw = dataclasses.replace(base, link_bandwidth=link * 1e9,
+            hw = dataclasses.replace(base.with_link(link * 1e9),  # symmetric, uncontended
                                      host_adam_elements_per_s=rate)
             p = M.predict_all(hw, wl, config=cfg)
             z, d, o, f = (p[m].step_time_s for m in MODES)

@@ -76,6 +76,34 @@ def test_builtin_profiles_are_valid_and_cited(name):
     assert hw["link_bandwidth_gb_s"] == HOST_LINK_GB_S[hw["host_link"]]
     if "link_bandwidth_per_direction_gb_s" in hw:
         assert hw["link_bandwidth_per_direction_gb_s"] * 2 == hw["link_bandwidth_gb_s"]
+    _check_link_measurements(hw)
+
+
+LINK_FIELDS = ("link_h2d_gb_s", "link_d2h_gb_s", "link_h2d_while_d2h_gb_s",
+               "link_d2h_while_h2d_gb_s")
+
+
+def _check_link_measurements(hw: dict) -> None:
+    """Each measured link figure of a built-in GPU profile is cited (NVIDIA's nvbandwidth
+    issues); a figure with no public measurement is null and says so; no measured figure
+    beats the datasheet, and a contended one is no faster than its direction alone."""
+    cited = {m["field"]: m for m in hw["link_measurements"]}
+    assert set(cited) == set(LINK_FIELDS)
+    for key in LINK_FIELDS:
+        value, m = hw[key], cited[key]
+        assert m["value"] == value and m["what"], key
+        if value is None:
+            assert "no public measurement" in m["what"] and m["sources"] == [], key
+            continue
+        assert 0 < value <= hw["link_bandwidth_per_direction_gb_s"], key
+        assert m["sources"] and all(
+            re.fullmatch(r"https://github\.com/NVIDIA/nvbandwidth/issues/\d+", c["url"])
+            and c["title"] == "NVIDIA/nvbandwidth issue #" + c["url"].rsplit("/", 1)[1]
+            for c in m["sources"]), key
+    for both, alone in (("link_h2d_while_d2h_gb_s", "link_h2d_gb_s"),
+                        ("link_d2h_while_h2d_gb_s", "link_d2h_gb_s")):
+        if hw[both] is not None:
+            assert hw[both] <= hw[alone]
 
 
 def test_builtin_facts_are_ordered_as_the_datasheets_say():

@@ -28,7 +28,7 @@ def test_all_resident_is_adamw():
 
 
 def test_zero_link_time_is_adamw_whatever_the_resident_share():
-    instant = dataclasses.replace(UNLIMITED, link_bandwidth=1e30)
+    instant = UNLIMITED.with_link(1e30)
     adamw = S.predict(instant, WL, "adamw").modelled_step_time_s
     for r in (0.0, 0.3, 1.0):
         swap = S.predict(instant, WL, "state-swap", resident_fraction=r)
@@ -37,7 +37,7 @@ def test_zero_link_time_is_adamw_whatever_the_resident_share():
 
 @pytest.mark.parametrize("r", [0.0, 0.25, 0.5])
 def test_a_slow_link_bounds_the_step_by_the_state_moved(r):
-    slow = dataclasses.replace(UNLIMITED, link_bandwidth=1e9)  # 1 GB/s each way
+    slow = UNLIMITED.with_link(1e9)  # 1 GB/s each way, no contention
     p = S.predict(slow, WL, "state-swap", resident_fraction=r)
     moved = _offloaded(WL) * (1 - r) * 12  # fp32 master, m, v of a bf16 param
     assert p.link_up_bytes_per_step == pytest.approx(moved) == p.link_down_bytes_per_step

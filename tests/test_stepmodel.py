@@ -4,6 +4,7 @@ own stats(), the presets against transformers' models, the gh200 profile and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -145,6 +146,116 @@ def test_adamw_is_compute_plus_memory_bound_update_and_sharded_over_gpus():
     assert p.link_bytes_per_step == 0 and p.host_busy_fraction == 0 and p.stall_fraction == 0
 
 
+# ---- the link: each direction its own figure, slower while the other is busy ---------------
+def test_each_link_lane_divides_by_its_own_directions_figure():
+    h = hw(link_h2d=2e9, link_d2h=1e9)  # host to device (up) 2 GB/s, device to host 1 GB/s
+    wl = one_layer()
+    p = S.predict(h, wl, "zero-offload", update_interval=1)
+    C = 6 * 2e6 * 100 / (0.5 * 1e12)
+    down, up, host = 2e6 * 2 / 1e9, 2e6 * 2 / 2e9, 2e6 / 1e9
+    assert p.step_time_s == pytest.approx(C + 1000 * 28 / 1e11 + down + host + up, rel=1e-12)
+    # synchronous: the directions never overlap, so a contended figure changes nothing
+    slow = hw(link_h2d=2e9, link_d2h=1e9, link_h2d_while_d2h=1e8, link_d2h_while_h2d=1e8)
+    assert S.predict(slow, wl, "zero-offload", update_interval=1).step_time_s == p.step_time_s
+
+
+@pytest.mark.parametrize("up,down,r_up,r_down,up_end,down_end", [
+    (1.0, 1.0, 0.5, 1.0, 1.5, 1.0),   # up at half rate while down runs, then alone
+    (2.0, 1.0, 0.5, 0.5, 3.0, 2.0),   # both at half rate for 2 s, then up alone
+    (1.0, 1.0, 1.0, 1.0, 1.0, 1.0)])  # no contention
+def test_a_transfer_slows_for_the_share_of_it_the_other_direction_is_busy(
+        up, down, r_up, r_down, up_end, down_end):
+    from autotune.stepmodel.timeline import run_windows, steady_window
+
+    def body(L, w, i):  # 10 s of compute, then one copy each way at once; wait for both
+        start = L.free["device"]
+        t = L.run("device", 10.0, "compute")
+        a = L.run("link-up", up, "up", [t])
+        b = L.run("link-down", down, "down", [t])
+        L.run("device", 0.0, "wait", [a, b])
+        return start
+
+    lanes, starts = run_windows(body, 1, {"link-up": r_up, "link-down": r_down})
+    window, segs, busy = steady_window(lanes, starts)
+    assert busy["link-up"] == pytest.approx(up_end, rel=1e-8)
+    assert busy["link-down"] == pytest.approx(down_end, rel=1e-8)
+    assert window == pytest.approx(10.0 + max(up_end, down_end), rel=1e-8)
+
+
+def _streaming(**link) -> S.Prediction:
+    """A link-bound gradient stream: each step's host columns go down during backward while
+    the last window's result goes up."""
+    layers = tuple(S.Layer(f"b{i}", (S.ParamSpec(f"b{i}.w", (512, 512)),), 6.0 * 512 * 512)
+                   for i in range(4))
+    wl = S.Workload("blocks", layers, tokens=64, mfu=0.5)
+    return S.predict(hw(host_adam_elements_per_s=1e10, **link), wl, "zenflow",
+                     topk_ratio=0.1, update_interval=1, stream_grads=True)
+
+
+def test_a_lower_contended_figure_gives_a_longer_streaming_step():
+    equal = _streaming(link_h2d_while_d2h=1e9, link_d2h_while_h2d=1e9)
+    assert equal.step_time_s == _streaming().step_time_s  # equal figures: no contention
+    half = _streaming(link_h2d_while_d2h=0.5e9)
+    quarter = _streaming(link_h2d_while_d2h=0.25e9, link_d2h_while_h2d=0.5e9)
+    assert equal.step_time_s < half.step_time_s < quarter.step_time_s
+    # above the uncontended figure it is the uncontended one (busy never speeds a copy up)
+    assert _streaming(link_h2d_while_d2h=5e9).step_time_s == equal.step_time_s
+    # state-swap streams the state both ways at once: the same
+    wl = S.Workload.from_preset("opt-350m", tokens=512)
+    swap = {r: S.predict(hw(link_h2d_while_d2h=r), wl, "state-swap",
+                         resident_fraction=0.0).step_time_s for r in (1e9, 0.5e9)}
+    assert swap[0.5e9] > swap[1e9]
+
+
+OLD_A100 = {"name": "old-a100", "hardware": {
+    "bf16_tensor_tflops_dense": 312, "fp32_tflops": 19.5, "memory_bandwidth_gb_s": 1935,
+    "device_memory_gb": 80, "link_bandwidth_gb_s": 64, "link_bandwidth_per_direction_gb_s": 32.0}}
+"""The a100-pcie4 facts the model read before the link figures per direction existed."""
+
+
+@pytest.mark.parametrize("mode,settings,step", [
+    ("zero-offload", {}, 6.460424162820786),
+    ("zero-offload-dpu", {}, 4.21134336),
+    ("overlapped-offload", {}, 4.713870853776421),
+    ("state-swap", {}, 2.719047688923049),
+    ("zenflow", {}, 1.589419933438981),
+    ("zenflow", dict(stream_grads=True), 2.2724239509380193),
+    ("zenflow", dict(update_interval=1), 4.384565218894057)])
+def test_an_old_style_profile_predicts_as_before_bit_for_bit(mode, settings, step):
+    """The step times of the model before the link per direction (its code at the commit
+    before, on the same facts): a profile without the new fields gives them exactly, and so
+    does one with the datasheet figure in every new field."""
+    wl = S.Workload.from_preset("llama2-7b")
+    st = dict(dict(topk_ratio=0.1, update_interval=4), **settings)
+    assert S.predict(S.Hardware.from_profile(OLD_A100), wl, mode, **st).step_time_s == step
+    same = dict(OLD_A100["hardware"], link_h2d_gb_s=32.0, link_d2h_gb_s=32.0,
+                link_h2d_while_d2h_gb_s=32.0, link_d2h_while_h2d_gb_s=32.0)
+    assert S.predict(S.Hardware.from_profile({"name": "x", "hardware": same}), wl, mode,
+                     **st).step_time_s == step
+
+
+def test_profiles_give_each_direction_and_say_where_a_figure_falls_back():
+    a100 = S.Hardware.from_profile("a100-pcie4")
+    assert (a100.h2d, a100.d2h, a100.h2d_while_d2h, a100.d2h_while_h2d) == (
+        25e9, 25e9, 12.5e9, 25e9)
+    assert a100.link_bandwidth == 32e9  # the datasheet figure, kept
+    assert "no contention" in a100.sources["link_d2h_while_h2d_gb_s"]
+    gh = S.Hardware.from_profile("gh200")
+    assert gh.h2d == 346e9 and gh.d2h == 450e9 and gh.link_contention() == {
+        "link-up": 1.0, "link-down": 1.0}
+    assert "datasheet" in gh.sources["link_d2h_gb_s"]
+    h100 = S.Hardware.from_profile("h100-pcie5")
+    assert (h100.h2d, h100.d2h) == (35e9, 53e9)
+    # measured figures alone (no datasheet figure): the slower direction stands in for it
+    own = S.Hardware.from_profile({"name": "own", "hardware": {
+        "bf16_tensor_tflops_dense": 100, "memory_bandwidth_gb_s": 1000, "link_h2d_gb_s": 20,
+        "link_d2h_gb_s": 24}})
+    assert own.link_bandwidth == 20e9 and own.missing_device_facts() == []
+    # a what-if link: the same figure both ways, no contention
+    fast = a100.with_link(100e9)
+    assert (fast.h2d, fast.d2h, fast.h2d_while_d2h) == (100e9, 100e9, 100e9)
+
+
 # ---- the equivalence -------------------------------------------------------------------------
 @pytest.mark.parametrize("profile", ["a100-pcie4", "h100-pcie5", "gh200"])
 @pytest.mark.parametrize("model,gpus", [("llama2-7b", 1), ("opt-350m", 4), ("qwen2.5-3b", 2)])
@@ -189,9 +300,22 @@ def test_more_link_bandwidth_never_slows_a_step(model, gpus):
     base = S.Hardware.from_profile("a100-pcie4")
     prev = None
     for gb in (4, 16, 32, 64, 128, 450, 2000):
-        cur = _steps(S.Hardware(**{**base.__dict__, "link_bandwidth": gb * 1e9}), wl, gpus)
+        cur = _steps(base.with_link(gb * 1e9), wl, gpus)
         if prev is not None:
             assert all(c <= p * (1 + 1e-12) for c, p in zip(cur, prev)), gb
+        prev = cur
+
+
+@pytest.mark.parametrize("model,gpus", [("opt-350m", 1), ("llama2-7b", 4)])
+def test_a_more_contended_link_never_speeds_a_step(model, gpus):
+    wl = S.Workload.from_preset(model, tokens=2048)
+    base = S.Hardware.from_profile("a100-pcie4")
+    prev = None
+    for gb in (25, 12.5, 6, 2):
+        cur = _steps(dataclasses.replace(base, link_h2d_while_d2h=gb * 1e9,
+                                         link_d2h_while_h2d=gb * 1e9), wl, gpus)
+        if prev is not None:
+            assert all(c >= p * (1 - 1e-12) for c, p in zip(cur, prev)), gb
         prev = cur
 
 

@@ -5,9 +5,9 @@ Exit codes: 0 success; 1 usage error (bad options: the message and a pointer to 
 
 This file holds the parser, :func:`main` and the option handling the commands share; each
 command lives in its own module: ``run.py`` (``run``, measured and modelled),
-``predict.py`` (``predict``) and ``inspect.py`` (``list``, ``show``, ``detect``, ``plot``,
-``diagnose``). :func:`main` imports a command's module only to run it, so that a missing
-Optuna (which only the tuner needs) is reported as such.
+``predict.py`` (``predict``), ``measure.py`` (``measure``) and ``inspect.py`` (``list``,
+``show``, ``detect``, ``plot``, ``diagnose``). :func:`main` imports a command's module only
+to run it, so that a missing Optuna (which only the tuner needs) is reported as such.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
 QUICK = dict(steps=60, skip_steps=10, n_trials=12, timeout=150.0)
 FULL = dict(steps=200, skip_steps=20, n_trials=40, timeout=None)
 
-COMMANDS = {"run": "run", "predict": "predict", "list": "inspect", "show": "inspect",
-            "detect": "inspect", "plot": "inspect", "diagnose": "inspect"}
+COMMANDS = {"run": "run", "predict": "predict", "measure": "measure", "list": "inspect",
+            "show": "inspect", "detect": "inspect", "plot": "inspect", "diagnose": "inspect"}
 """Each command's module; it runs as that module's ``cmd_<command>(args)``."""
 
 
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
     _add_inspect_parsers(sub)
     _add_predict_parser(sub)
+    _add_measure_parser(sub)
     return p
 
 
@@ -285,6 +286,36 @@ def _add_predict_parser(sub: Any) -> None:
     pr.add_argument("--plot", metavar="PNG", help="also draw one window per mode (matplotlib)")
 
 
+def _add_measure_parser(sub: Any) -> None:
+    me = sub.add_parser("measure", help="measure the step model's speed inputs on this "
+                                        "machine (host AdamW rate; with CUDA, the link each "
+                                        "way, alone and both at once)",
+                        description="Time the library's host AdamW (one core and every usable "
+                                    "CPU) and, with a CUDA GPU, copies between pinned host "
+                                    "memory and the device: host to device and device to "
+                                    "host alone and each while the other direction is busy "
+                                    "(docs/stepmodel.md, 'Measuring the inputs'). With "
+                                    "--save-as, write them into a user profile.")
+    me.add_argument("--seconds", type=_pos_float, default=8.0,
+                    help="time budget of the measurements, shared among them (default 8; "
+                         "each figure takes at least 3 repeats after a warm-up)")
+    me.add_argument("--save-as", dest="save_as",
+                    help="write a user profile of this name: --profile's settings and facts "
+                         "with the measured figures and their provenance")
+    me.add_argument("--profile", help="the profile the saved one starts from: a name "
+                                      "(zenflow-tune list) or a path to a profile's JSON "
+                                      "(default: the detected card's built-in profile, or "
+                                      "cpu without a GPU)")
+    me.add_argument("--json", action="store_true", help="print the measurements as JSON")
+
+
+def _pos_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
 def _pos_int(s: str) -> int:
     v = int(s)
     if v < 1:
@@ -372,8 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # usage error (1) or --help (0)
         return int(e.code or 0)
     if args.command is None:
-        usage_error("zenflow-tune", "a command is required: run, predict, list, show, detect, "
-                                    "plot or diagnose")
+        usage_error("zenflow-tune", "a command is required: run, predict, measure, list, show, "
+                                    "detect, plot or diagnose")
         return EXIT_USAGE
     try:
         module = importlib.import_module(f".{COMMANDS[args.command]}", __name__)

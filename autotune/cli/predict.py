@@ -72,7 +72,7 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
     print(f"Model prediction (not a measurement): {wl.name} ({wl.numel / 1e9:.2f}B params, "
           f"{wl.dtype}) on {hw.name}, {args.gpus} GPU(s) ({args.sharding}), {wl.tokens} "
           f"tokens per GPU per step, MFU {wl.mfu:g}; host AdamW {rate:.3g} elements/s per GPU "
-          f"({how}).")
+          f"({how}). Link: {hw.link_summary()}.")
     if args.sharding == "fsdp2" and args.gpus > 1:
         print("fsdp2: memory per GPU is its rows of the params, gradients and state; the "
               "all-gathered layers in flight and FSDP's own collectives are not modelled.")

@@ -5,14 +5,17 @@ mode it lays out one steady-state window of ``update_interval`` training steps o
 lanes (``device`` compute, ``link-down`` device->host, ``link-up`` host->device, ``host``
 compute) and reports the step time, the accelerator's idle (stall) fraction, the bytes that
 cross the link, the host's busy fraction and the memory each side needs. Nothing is
-measured here (except the host AdamW rate, on request); these are predictions. Every
-formula, constant and assumption is written down in ``docs/stepmodel.md``; the short form:
+measured here (``zenflow-tune measure``, :mod:`autotune.measure`, measures the host and link
+figures a profile can carry; ``predict --measure-host`` the host rate alone); these are
+predictions. Every formula, constant and assumption is written down in
+``docs/stepmodel.md``; the short form:
 
 * compute per step = model FLOPs / (MFU x peak bf16 FLOP/s), model FLOPs = 6 x (matmul
   weight elements) x tokens + attention (PaLM's definition); forward 1/3, backward 2/3;
 * device optimizer work is memory bound: bytes moved / device memory bandwidth;
-* a link transfer takes bytes / (link bandwidth per direction); each direction is a FIFO
-  lane of its own;
+* a link transfer takes bytes / (its direction's link bandwidth); each direction is a FIFO
+  lane of its own, and a transfer slows to its direction's contended figure for the part
+  of it the other direction is busy (where the profile gives one: ``timeline.run_windows``);
 * host AdamW takes elements / (host AdamW elements/s per process); the host is one FIFO
   lane per process;
 * data parallelism over N GPUs: every GPU runs the full model on its own tokens; the
@@ -36,7 +39,8 @@ Where each part lives (each file imports only from the ones above it in this lis
   profile's facts), :class:`ParamSpec`, :class:`Layer`, :data:`PRESETS`, :class:`Workload`
   (from a preset or a ``torch.nn.Module``) and :func:`zenflow_config`;
 * ``timeline.py``: :class:`Segment`, the four FIFO lanes, the scheduler that runs windows
-  until they repeat, and :class:`Prediction`;
+  until they repeat (and reschedules until the link's contended transfers settle), and
+  :class:`Prediction`;
 * ``modes.py``: the durations and element counts one GPU sees, the memory of each mode, and
   the modes' graphs (AdamW on the device, ZeRO-Offload, ZeRO-Offload with a delayed
   update, per-layer overlapped offload, ZenFlow);

@@ -6,8 +6,10 @@ ZenFlow settings, a validated ``ZenFlowConfig``. Nothing here schedules anything
   docs/stepmodel.md, "Constants") and :class:`StepModelError`, the error the model raises
   on bad input;
 * :class:`Hardware`: a profile's accelerator FLOP/s and memory bandwidth, the device-host
-  link's bandwidth per direction, and the host's cores and AdamW rate, shared among the
-  processes of one node (the host rate a GPU's process gets is worked out here);
+  link's bandwidth in each direction, alone and while the other direction is busy (measured
+  figures where the profile has them, else its datasheet figure), and the host's cores and
+  AdamW rate, shared among the processes of one node (the host rate a GPU's process gets is
+  worked out here);
 * :class:`ParamSpec` (one param's shape, and whether the optimizer splits it by columns)
   and :class:`Layer` (params whose gradients are ready together, with their FLOPs per
   token);
@@ -94,7 +96,7 @@ class Hardware:
     name: str
     device_flops: float | None                 # dense bf16 tensor FLOP/s
     device_memory_bandwidth: float | None      # B/s
-    link_bandwidth: float | None               # B/s, each direction
+    link_bandwidth: float | None               # B/s, each direction (datasheet)
     device_memory_bytes: float | None = None
     device_flops_fp32: float | None = None
     host_memory_bytes: float | None = None
@@ -104,6 +106,14 @@ class Hardware:
     accelerators_per_node: int | None = None
     host_memory_bandwidth: float | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
+    link_h2d: float | None = None
+    """B/s host to device (the ``link-up`` lane) alone; None: ``link_bandwidth``."""
+    link_d2h: float | None = None
+    """B/s device to host (``link-down``) alone; None: ``link_bandwidth``."""
+    link_h2d_while_d2h: float | None = None
+    """B/s host to device while device to host is busy; None: no contention (``h2d``)."""
+    link_d2h_while_h2d: float | None = None
+    """B/s device to host while host to device is busy; None: no contention (``d2h``)."""
 
     @classmethod
     def from_profile(cls, profile: Any, *, host_adam_elements_per_s: float | None = None,
@@ -131,6 +141,14 @@ class Hardware:
                 link = both / 2
                 src["link_bandwidth_per_direction_gb_s"] = (
                     f"profile {name!r}: link_bandwidth_gb_s / 2 (both directions together)")
+        directed = {key: num(key, 1e9) for key in LINK_FIELDS}
+        if link is None and directed["link_h2d_gb_s"] and directed["link_d2h_gb_s"]:
+            link = min(directed["link_h2d_gb_s"], directed["link_d2h_gb_s"])
+            src["link_bandwidth_per_direction_gb_s"] = (
+                f"profile {name!r}: the slower of link_h2d_gb_s and link_d2h_gb_s (no "
+                "datasheet figure)")
+        if link is not None:
+            _link_fallbacks(name, link, directed, src)
         cores = host_cores if host_cores is not None else hw.get("host_cores")
         if host_cores is not None:
             src["host_cores"] = f"given: {host_cores}"
@@ -157,7 +175,8 @@ class Hardware:
                    device_flops_fp32=num("fp32_tflops", 1e12), host_cores=cores,
                    host_adam_elements_per_s=rate, accelerators_per_node=apn,
                    host_memory_bandwidth=num("host_memory_bandwidth_gb_s", 1e9),
-                   host_memory_bytes=num("host_memory_gb", 1e9), sources=src)
+                   host_memory_bytes=num("host_memory_gb", 1e9), sources=src,
+                   **{attr: directed[key] for key, attr in LINK_FIELDS.items()})
 
     # -- derived -------------------------------------------------------------------------
     def processes_per_host(self, gpus: int) -> int:
@@ -194,12 +213,60 @@ class Hardware:
                        f"{HOST_ADAM_BYTES_PER_ELEMENT} B")
         return rate, how
 
+    # -- the link, per direction -------------------------------------------------------------
+    @property
+    def h2d(self) -> float | None:
+        """B/s host to device (the ``link-up`` lane) with the other direction idle."""
+        return self.link_h2d or self.link_bandwidth
+
+    @property
+    def d2h(self) -> float | None:
+        """B/s device to host (the ``link-down`` lane) with the other direction idle."""
+        return self.link_d2h or self.link_bandwidth
+
+    @property
+    def h2d_while_d2h(self) -> float | None:
+        """B/s host to device while device to host is busy (at most :attr:`h2d`)."""
+        return _at_most(self.link_h2d_while_d2h, self.h2d)
+
+    @property
+    def d2h_while_h2d(self) -> float | None:
+        """B/s device to host while host to device is busy (at most :attr:`d2h`)."""
+        return _at_most(self.link_d2h_while_h2d, self.d2h)
+
+    def link_contention(self) -> dict[str, float]:
+        """Per link lane, the share of its rate a transfer keeps while the other direction is
+        busy: contended / alone, in (0, 1]; 1 = no contention (every profile without the
+        contended figures)."""
+        if not (self.h2d and self.d2h):
+            return {"link-up": 1.0, "link-down": 1.0}
+        return {"link-up": self.h2d_while_d2h / self.h2d,
+                "link-down": self.d2h_while_h2d / self.d2h}
+
+    def link_summary(self) -> str:
+        """One line: the four link figures the model uses, GB/s (for reports)."""
+        if not (self.h2d and self.d2h):
+            return "no link figures"
+        out = f"{self.h2d / 1e9:g} GB/s to the device, {self.d2h / 1e9:g} to the host"
+        if self.link_contention() == {"link-up": 1.0, "link-down": 1.0}:
+            return out + ", the same while both run (no contention)"
+        return (out + f"; while both run {self.h2d_while_d2h / 1e9:g} to the device and "
+                f"{self.d2h_while_h2d / 1e9:g} to the host")
+
+    def with_link(self, bandwidth: float) -> "Hardware":
+        """A copy with a symmetric, uncontended link of ``bandwidth`` B/s each direction (the
+        measured figures dropped): for what-if scans over the link speed."""
+        import dataclasses
+
+        return dataclasses.replace(self, link_bandwidth=bandwidth,
+                                   **{attr: None for attr in LINK_FIELDS.values()})
+
     def missing_device_facts(self) -> list[str]:
         out = []
-        for attr, key in (("device_flops", "bf16_tensor_tflops_dense"),
-                          ("device_memory_bandwidth", "memory_bandwidth_gb_s"),
-                          ("link_bandwidth", "link_bandwidth_per_direction_gb_s")):
-            if getattr(self, attr) is None:
+        for value, key in ((self.device_flops, "bf16_tensor_tflops_dense"),
+                           (self.device_memory_bandwidth, "memory_bandwidth_gb_s"),
+                           (self.h2d and self.d2h, "link_bandwidth_per_direction_gb_s")):
+            if value is None:
                 out.append(key)
         return out
 
@@ -225,6 +292,38 @@ class Hardware:
                 f"needs ({', '.join(missing)}); the cpu profile has no accelerator. Pick a GPU "
                 "profile (zenflow-tune list), or use host_update_seconds() for host-side "
                 "predictions only")
+
+
+LINK_FIELDS = {"link_h2d_gb_s": "link_h2d", "link_d2h_gb_s": "link_d2h",
+               "link_h2d_while_d2h_gb_s": "link_h2d_while_d2h",
+               "link_d2h_while_h2d_gb_s": "link_d2h_while_h2d"}
+"""The measured link figures a profile's ``hardware`` may give (GB/s, each optional; a
+profile without them has the datasheet's ``link_bandwidth_per_direction_gb_s`` both ways and
+no contention) and the :class:`Hardware` attribute (B/s) each one fills."""
+
+
+def _link_fallbacks(name: str, link: float, directed: Mapping[str, float | None],
+                    src: dict[str, str]) -> None:
+    """The source of each link figure a profile does not give: the datasheet figure for a
+    direction alone, that direction's uncontended figure (no contention) while both run."""
+    for key, value in directed.items():
+        if value is not None:
+            continue
+        if "_while_" in key:
+            alone = key.split("_while_")[0] + "_gb_s"
+            src[key] = (f"profile {name!r} has no {key}: {alone}'s figure (no contention "
+                        "assumed)")
+        else:
+            src[key] = (f"profile {name!r} has no {key}: the datasheet figure, "
+                        f"{link / 1e9:g} GB/s per direction")
+
+
+def _at_most(value: float | None, cap: float | None) -> float | None:
+    """A contended figure, no faster than the uncontended one (a measurement's noise can put
+    it above: the other direction being busy never speeds a copy up); None: ``cap``."""
+    if value is None or cap is None:
+        return cap
+    return min(value, cap)
 
 
 def _profile_hardware(profile: Any) -> tuple[str, dict[str, Any]]:

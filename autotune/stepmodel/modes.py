@@ -7,9 +7,10 @@ update, optionally overlapped with the next window); with what they are built fr
 
 * :class:`Costs` (:func:`gpu_costs`): the durations and element counts one GPU's process
   sees: each layer's forward and backward time on the accelerator (FLOPs over MFU x
-  peak), the offloadable and small params' elements, the bandwidths and host rate the
-  modes divide by, and how much of the device state this GPU holds (all of it under DDP,
-  1/N under FSDP2);
+  peak), the offloadable and small params' elements, the bandwidths (the link's per
+  direction, and how much of its rate a transfer keeps while the other direction is busy)
+  and host rate the modes divide by, and how much of the device state this GPU holds (all
+  of it under DDP, 1/N under FSDP2);
 * :func:`zenflow_split`: the elements ZenFlow keeps on each side, by the optimizer's own
   column count (:func:`zenflow_triton.columns.selection.num_selected`);
 * :func:`memory_use`: the memory each side needs per mode, by the optimizer's own byte
@@ -48,8 +49,10 @@ class Costs:
     total: float
     b: int                          # param (and grad) bytes
     Bm: float
-    BL: float
+    BL_down: float                  # B/s device to host ("link-down"), the other way idle
+    BL_up: float                    # B/s host to device ("link-up"), the other way idle
     R: float                        # host AdamW elements/s for this process
+    contention: dict[str, float]    # per link lane: rate kept while the other way is busy
 
 
 def gpu_costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
@@ -69,8 +72,8 @@ def gpu_costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
         small += sum(p.numel for p, s in zip(layer.params, split) if not s)
     return Costs(gpus, gpus if sharding == "fsdp2" else 1, tuple(fwd), tuple(bwd),
                   tuple(matrix), float(small), float(wl.numel),
-                  wl.param_bytes, hw.device_memory_bandwidth, hw.link_bandwidth,
-                  hw.host_rate(gpus))
+                  wl.param_bytes, hw.device_memory_bandwidth, hw.d2h, hw.h2d,
+                  hw.host_rate(gpus), hw.link_contention())
 
 
 def zenflow_split(wl: Workload, cfg: Any) -> tuple[float, float, float]:
@@ -211,7 +214,7 @@ def adamw(c: Costs, K: int):
         L.run("device", opt, "AdamW (device)")
         return start
 
-    return run_windows(body, K)
+    return run_windows(body, K)  # nothing crosses the link
 
 
 def _small_adam(c: Costs) -> float:
@@ -223,7 +226,7 @@ def zero_offload(c: Costs, K: int):
     every offloaded element, params up, then the next forward."""
     P = sum(c.matrix) / c.n_gpus
     F, B, small = sum(c.fwd), sum(c.bwd), _small_adam(c)
-    down, up, host = P * c.b / c.BL, P * c.b / c.BL, P / c.R
+    down, up, host = P * c.b / c.BL_down, P * c.b / c.BL_up, P / c.R
 
     def body(L: Lanes, w: int, i: int) -> float:
         start = L.free["device"]
@@ -236,7 +239,7 @@ def zero_offload(c: Costs, K: int):
         L.run("device", 0.0, "wait", [t])
         return start
 
-    return run_windows(body, K)
+    return run_windows(body, K, c.contention)
 
 
 def zero_offload_dpu(c: Costs, K: int):
@@ -245,7 +248,7 @@ def zero_offload_dpu(c: Costs, K: int):
     step t's gradient copy (the gradient buffer is reused)."""
     P = sum(c.matrix) / c.n_gpus
     F, B, small = sum(c.fwd), sum(c.bwd), _small_adam(c)
-    down, up, host = P * c.b / c.BL, P * c.b / c.BL, P / c.R
+    down, up, host = P * c.b / c.BL_down, P * c.b / c.BL_up, P / c.R
     def body(L: Lanes, w: int, i: int) -> float:
         m = L.marks  # "up-2": params of two steps back up; "down-1": last gradient copied
         start = L.run("device", 0.0, "wait", [m.get("up-2", 0.0)])
@@ -260,7 +263,7 @@ def zero_offload_dpu(c: Costs, K: int):
         m["up-1"] = L.run("link-up", up, "params up", [t])
         return start
 
-    return run_windows(body, K)
+    return run_windows(body, K, c.contention)
 
 
 def overlapped_offload(c: Costs, K: int):
@@ -268,7 +271,8 @@ def overlapped_offload(c: Costs, K: int):
     gradient it goes down, the host updates that layer, its params go up; the next forward
     of a layer waits for its params, the next backward of a layer for its gradient copy."""
     n = len(c.fwd)
-    down = [m / c.n_gpus * c.b / c.BL for m in c.matrix]
+    down = [m / c.n_gpus * c.b / c.BL_down for m in c.matrix]
+    up = [m / c.n_gpus * c.b / c.BL_up for m in c.matrix]
     host = [m / c.n_gpus / c.R for m in c.matrix]
     small = _small_adam(c)
     def body(L: Lanes, w: int, i: int) -> float:
@@ -285,11 +289,11 @@ def overlapped_offload(c: Costs, K: int):
                 t = L.run("link-down", down[l], "grads down", [t])
                 m[("copied", l)] = t
                 t = L.run("host", host[l], "host AdamW", [t])
-                m[("ready", l)] = L.run("link-up", down[l], "params up", [t])
+                m[("ready", l)] = L.run("link-up", up[l], "params up", [t])
         L.run("device", small, "AdamW small params (device)")
         return start
 
-    return run_windows(body, K)
+    return run_windows(body, K, c.contention)
 
 
 def state_swap(c: Costs, K: int, resident: float):
@@ -299,7 +303,7 @@ def state_swap(c: Costs, K: int, resident: float):
     state goes down. Two buffers: a chunk goes up once the chunk two before it is down (so
     the first two of a step go up during the forward and backward), and the last ones go
     down during the next forward. Link-bound: 2 x 12 bytes per offloaded element, each way
-    its own lane."""
+    its own lane, and the two ways mostly at once (each at its contended figure)."""
     F, B = sum(c.fwd), sum(c.bwd)
     sb = state_bytes(c)
     chunks = swap_chunks(c, resident)
@@ -313,13 +317,14 @@ def state_swap(c: Costs, K: int, resident: float):
         L.run("device", B, "backward")
         L.run("device", on_device, "AdamW resident state (device)")
         for j, e in enumerate(chunks):
-            up = L.run("link-up", e * sb / c.BL, "state up", [m.get(("free", j % 2), 0.0)])
+            up = L.run("link-up", e * sb / c.BL_up, "state up",
+                       [m.get(("free", j % 2), 0.0)])
             t = L.run("device", e * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm,
                       "AdamW streamed chunk (device)", [up])
-            m[("free", j % 2)] = L.run("link-down", e * sb / c.BL, "state down", [t])
+            m[("free", j % 2)] = L.run("link-down", e * sb / c.BL_down, "state down", [t])
         return start
 
-    return run_windows(body, K)
+    return run_windows(body, K, c.contention)
 
 
 def zenflow(c: Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
@@ -335,7 +340,7 @@ def zenflow(c: Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     e_dev, e_host, _ = zenflow_split(wl, cfg)
     z = _zenflow_tasks(c, K, e_dev, e_host, cfg)
     g = b = c.b
-    lanes_starts = run_windows(_zenflow_body(z, K, cfg, prefetch_result), K)
+    lanes_starts = run_windows(_zenflow_body(z, K, cfg, prefetch_result), K, c.contention)
     return lanes_starts, _reselection_drain(z, K, cfg), {
         "device_owned_elements": e_dev, "host_owned_elements": e_host,
         "link_down_per_window": (z.h * (b if z.windowed else g) if not z.on_host
@@ -388,11 +393,11 @@ def _zenflow_tasks(c: Costs, K: int, e_dev: float, e_host: float, cfg: Any) -> _
         gather=h * 2 * g / c.Bm if on_host else 0.0,
         mean=h * (a + b) / c.Bm if windowed and not on_host else 0.0,
         scatter=e_host / c.shard * 2 * b / c.Bm if cfg.topk_ratio > 0 and h > 0 else 0.0,
-        down_window=h * (b if windowed else g) / c.BL if not on_host else 0.0,
-        down_step=h * g / c.BL if on_host else 0.0,
+        down_window=h * (b if windowed else g) / c.BL_down if not on_host else 0.0,
+        down_step=h * g / c.BL_down if on_host else 0.0,
         host_add=h * (g + 2 * a) / HOST_ADAM_BYTES_PER_ELEMENT / c.R if on_host else 0.0,
         host_adam=h / c.R,
-        up=h * b / c.BL,
+        up=h * b / c.BL_up,
         delay=min(cfg.effective_apply_delay, K))  # K = 1: every step is a boundary
 
 
