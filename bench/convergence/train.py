@@ -75,6 +75,13 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # the host in bf16, every matrix split (no dense set)
     "zenflow-lean": dict(host_lr_scale="adaptive", accumulate_on="host",
                          accumulator_dtype="bfloat16", **_SPLIT),
+    # the defaults' columns with a window of 16 (what the tiny LM's guard let the GPU profiles
+    # take before the tuner judged quality on real models), and with the window's moments'
+    # horizon and apply_delay=1 (issue 48: a screen on the noisy task first)
+    "zenflow-adaptive-dense-x16": dict(host_lr_scale="adaptive", update_interval=16),
+    "zenflow-adaptive-dense-x16-window-delay1": dict(host_lr_scale="adaptive",
+                                                     update_interval=16, host_betas="window",
+                                                     apply_delay=1),
     # what fits an 8B model on a 24 GB card (2048 tokens per step, gradient streaming): the
     # lean corner at 1% of the columns on the device, a window of 8 with the window's moments'
     # horizon and its result applied a step after it (issue 48)
