@@ -308,15 +308,15 @@ def describe(profile: Profile) -> str:
     lines = [f"{profile.name}  ({profile.source}: {profile.path or '-'})"]
     if profile.description:
         lines.append(f"  {profile.description}")
-    lines.append("  settings:")
-    lines += [f"    {k} = {v!r}" for k, v in profile.settings.items()]
-    lines.append("  hardware:")
-    lines += [f"    {k} = {v}" for k, v in _flatten(profile.hardware)]
     quality = profile.provenance.get("quality")
     if isinstance(quality, dict) and quality.get("summary"):
         lines.append(f"  quality: {quality.get('source', '?')}: {quality['summary']}; models "
                      f"{', '.join(map(str, quality.get('models') or []))}; seeds "
                      f"{', '.join(map(str, quality.get('seeds') or []))}")
+    lines.append("  settings:")
+    lines += [f"    {k} = {v!r}" for k, v in profile.settings.items()]
+    lines.append("  hardware:")
+    lines += [f"    {k} = {v}" for k, v in _flatten(profile.hardware)]
     lines.append("  provenance:")
     lines += [f"    {k} = {v}" for k, v in _flatten(profile.provenance)]
     return "\n".join(lines)
