@@ -45,8 +45,8 @@ from zenflow_triton.profiles import (Profile, load_profile, read_profile_file, s
 from . import stepmodel as M
 from . import study as S
 from .detect import versions
-from .realquality import (DEFAULT_BAR, KEY_LEFT_OUT, QUALITY_KEYS, RealStore, Verdict,
-                          bar_limits, load_store)
+from .realquality import (DEFAULT_BAR, KEY_LEFT_OUT, OTHER_ARITHMETIC, QUALITY_KEYS, RealStore,
+                          Verdict, bar_limits, load_store)
 from .names import slug
 from .space import apply_delay_for, betas_values, delay_steps
 from .objective import (DIVERGED_VIOLATION, TuneSettings, guard_summary, measure_reference,
@@ -56,8 +56,8 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
            "QualityStore", "ModelledRow", "ModelledOutcome", "ModelledError",
            "default_quality_settings", "quality_study_name", "run_quality_grid",
            "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
-           "QUALITY_KEYS", "guard_line", "real_quality_store", "peer_lines", "PEER_MODES", "modelled_provenance", "default_save_name",
-           "load_hardware"]
+           "QUALITY_KEYS", "guard_line", "real_quality_store", "peer_lines", "is_lean",
+           "PEER_MODES", "modelled_provenance", "default_save_name", "load_hardware"]
 
 QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
@@ -414,21 +414,28 @@ def _stored_points(study: optuna.Study, wanted: dict[str, dict[str, Any]]) -> li
 
 # ---- quality from real models -----------------------------------------------------------------
 def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
-                       path: str | Path | None = None) -> QualityStore:
+                       path: str | Path | None = None, base: dict[str, Any] | None = None,
+                       lean: bool | None = None) -> QualityStore:
     """Quality points from the real-model store (:mod:`autotune.realquality`), nothing
     trained: with ``grid``, its points, less those the store has not measured (listed in
     ``real.unmeasured``, never interpolated); without, every setting class the store has
-    measured on its core workloads. A point is feasible when it passed ``bar`` on every
-    workload it was measured on."""
+    measured on its core workloads (``lean=False``: not the lean ones). A point is feasible
+    when it passed ``bar`` on every workload it was measured on. ``base``: the profile's
+    settings under the points; those of :data:`~autotune.realquality.OTHER_ARITHMETIC` it
+    sets are part of every point's identity (a profile with bf16 host moments is not judged
+    by rows with fp32 ones)."""
     limits = bar_limits(bar)
     rs = load_store(path)
+    under = {k: v for k, v in (base or {}).items() if k in OTHER_ARITHMETIC}
     wanted = (grid.points() if grid is not None else
               [_quality_settings(e["settings"]) for e in rs.entries.values()])
+    if lean is False:
+        wanted = [p for p in wanted if not is_lean(p)]
     points: list[QualityPoint] = []
     unmeasured: list[dict[str, Any]] = []
     seen: set[str] = set()
     for settings in wanted:
-        v = rs.verdict(settings, bar)
+        v = rs.verdict(dict(under, **settings), bar)
         if v.key in seen:
             continue
         seen.add(v.key)
@@ -436,13 +443,18 @@ def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
             if grid is not None:  # (the store's own partial rows are not asked for)
                 unmeasured.append(settings)
             continue
-        excess = max(r.loss_delta - limits[r.kind]["loss"] for r in v.results)
+        excess = max((r.loss_delta - limits[r.kind]["loss"] for r in v.results), default=0.0)
         points.append(QualityPoint(settings=settings, heldout_loss=v.worst_loss_delta,
                                    violation=0.0 if v.passed else max(excess, 1e-9),
                                    feasible=v.passed, diverged=False, trial=-1, verdict=v))
     return QualityStore(study_name=f"real-models:{rs.path.name}", storage=str(rs.path),
                         settings=None, reference={}, limit=math.nan, points=points,
                         trials_run=0, real=RealSource(store=rs, bar=bar, unmeasured=unmeasured))
+
+
+def is_lean(point: dict[str, Any]) -> bool:
+    return all(tuple(point.get(k) or ()) == tuple(v) if k == "dense_params"
+               else point.get(k) == v for k, v in LEAN_POINT.items())
 
 
 def _quality_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -606,9 +618,14 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
     # chunk_size, host_threads...) are kept as the profile has them, in its order
     base = dict(prof.settings)
     if quality == "real":
-        if grid is not None and lean:
-            grid = dataclasses.replace(grid, lean=True)
-        store = real_quality_store(grid, bar)
+        if grid is not None and (lean or lean is None and not any(
+                _fits(hw, wl, where, base, p) for p in grid.points())):
+            grid = dataclasses.replace(grid, lean=True)  # (as the workload's grid does)
+        store = real_quality_store(grid, bar, base=base, lean=lean)
+        if grid is None and lean is None and any(
+                r.eligible for r in rank_points(store, hw, wl, base_settings=base, **where)
+                if not is_lean(r.point.settings)):  # lean only where nothing else fits
+            store = real_quality_store(None, bar, base=base, lean=False)
         if store.real.unmeasured:
             log(f"{len(store.real.unmeasured)} point(s) asked for are not measured on real "
                 "models: left out (bench/convergence/study.py measures a setting; "
@@ -789,7 +806,7 @@ def _quality_provenance(out: ModelledOutcome) -> dict[str, Any]:
                 "summary": f"{v.summary()} (bar {store.real.bar!r}): "
                            + "; ".join(r.describe() for r in v.results),
                 "bar": store.real.bar,
-                "limits": bar_limits(store.real.bar),
+                "limits": json.loads(json.dumps(bar_limits(store.real.bar))),
                 "setting_class": v.name,
                 "models": sorted({rs.workloads[r.workload]["model"] for r in v.results}),
                 "seeds": sorted({seed for r in v.results for seed in r.seeds}),

@@ -19,19 +19,25 @@ it out; nothing is interpolated.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QUALITY_KEYS", "KEY_LEFT_OUT", "BARS", "DEFAULT_BAR", "STORE_PATH", "RealStoreError",
+__all__ = ["QUALITY_KEYS", "OTHER_ARITHMETIC", "KEY_LEFT_OUT", "BARS", "DEFAULT_BAR", "STORE_PATH", "RealStoreError",
            "RealStore", "Verdict", "WorkloadResult", "setting_key", "load_store"]
 
 QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
                 "dense_params", "apply_delay", "accumulator_dtype", "host_betas")
-"""The settings that change the optimizer's arithmetic, hence the quality (a grid point).
-A point's ``apply_delay`` of None (the default schedule), ``accumulator_dtype`` of "float32"
-and ``host_betas`` of "step" are left out of its key (:data:`KEY_LEFT_OUT`), so points
-stored before those were searched keep theirs."""
+"""The settings that change the optimizer's arithmetic and that the tuner searches (a grid
+point). In a quality study's point key (``modelled.point_key``) an ``apply_delay`` of None
+(the default schedule), an ``accumulator_dtype`` of "float32" and a ``host_betas`` of "step"
+are left out (:data:`KEY_LEFT_OUT`), so points stored before those were searched keep
+theirs."""
+OTHER_ARITHMETIC = ("host_state_dtype", "warmup_steps", "min_offload_numel", "score")
+"""Settings the tuner does not search that change the arithmetic too: part of a real-model
+setting's key (:func:`setting_key`), so a profile that sets them is not judged by rows that
+ran without them."""
 KEY_LEFT_OUT = {"apply_delay": None, "accumulator_dtype": "float32", "host_betas": "step"}
 """Values of :data:`QUALITY_KEYS` that a point's key leaves out (those settings' values
 before they were keys)."""
@@ -56,21 +62,29 @@ class RealStoreError(ValueError):
 
 
 def setting_key(settings: dict[str, Any]) -> str:
-    """The identity of a setting class: its :data:`QUALITY_KEYS` as ``ZenFlowConfig`` resolves
-    them (defaults filled in, the select interval in steps; the dense set as ``"dense"`` when it is the library's,
-    ``"none"`` when empty; the apply delay in steps, None without overlap), as JSON. Two
-    settings with the same key train the same arithmetic on fp32 models (where the window
-    is summed, or whether the gradient streams, does not change it)."""
+    """The identity of a setting class: its :data:`QUALITY_KEYS` and :data:`OTHER_ARITHMETIC`
+    as ``ZenFlowConfig`` resolves them (defaults filled in, numbers as floats, the select
+    interval and apply delay in steps, the apply delay None without overlap; the dense set as
+    ``"dense"`` when it is the library's, ``"none"`` when empty; what a window of one gradient
+    makes moot, None), as JSON. Two settings with the same key train the same arithmetic on
+    fp32 models (where the window is summed, or whether the gradient streams, does not
+    change it)."""
     from zenflow_triton.config import ZenFlowConfig
 
-    cfg = ZenFlowConfig(**{k: v for k, v in settings.items() if k in QUALITY_KEYS})
-    default_dense = tuple(ZenFlowConfig().dense_params)
-    dense = tuple(cfg.dense_params)
-    key = {k: getattr(cfg, k) for k in QUALITY_KEYS}
-    key["dense_params"] = ("dense" if dense == default_dense else "none" if not dense
-                           else list(dense))
-    key["apply_delay"] = cfg.effective_apply_delay if cfg.overlap else None
-    key["select_interval"] = cfg.effective_select_interval
+    keys = QUALITY_KEYS + OTHER_ARITHMETIC
+    cfg = ZenFlowConfig(**{k: v for k, v in settings.items() if k in keys})
+    default_dense = sorted(ZenFlowConfig().dense_params)
+    dense = sorted(cfg.dense_params)
+    key = {k: getattr(cfg, k) for k in keys}
+    for k, v in key.items():  # 1 and 1.0 are one setting
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            key[k] = float(v)
+    key["dense_params"] = "dense" if dense == default_dense else "none" if not dense else dense
+    key["apply_delay"] = float(cfg.effective_apply_delay) if cfg.overlap else None
+    key["select_interval"] = float(cfg.effective_select_interval)
+    if cfg.update_interval == 1:  # a window of one gradient: one computation whatever these say
+        for k in ("host_betas", "host_lr_scale", "accumulator_dtype", "apply_delay"):
+            key[k] = None
     return json.dumps(key, sort_keys=True)
 
 
@@ -169,6 +183,10 @@ def bar_limits(bar: str) -> dict[str, dict[str, float]]:
 
 
 def _judge(wl: str, kind: str, r: dict[str, Any], limit: dict[str, float]) -> WorkloadResult:
+    if r.get("diverged"):
+        return WorkloadResult(workload=wl, kind=kind, seeds=tuple(int(s) for s in r["seeds"]),
+                              loss_delta=math.inf, accuracy_delta_pts=None, passed=False,
+                              why=f"diverged on {r['diverged']} seed(s)")
     loss = float(r["loss_delta"])
     acc = r.get("accuracy_delta_pts")
     why = []
@@ -180,6 +198,11 @@ def _judge(wl: str, kind: str, r: dict[str, Any], limit: dict[str, float]) -> Wo
                           loss_delta=loss,
                           accuracy_delta_pts=None if acc is None else float(acc),
                           passed=not why, why="; ".join(why))
+
+
+def _number(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RealStoreError(f"{where} must be a finite number, got {value!r}")
 
 
 def load_store(path: str | Path | None = None) -> RealStore:
@@ -204,14 +227,26 @@ def load_store(path: str | Path | None = None) -> RealStore:
         if not set(core) <= workloads.keys():
             raise RealStoreError(f"core workloads {sorted(set(core) - workloads.keys())} "
                                  "are not described")
+        for name, w in workloads.items():
+            if not isinstance(w.get("model"), str) or not isinstance(w.get("task"), str):
+                raise RealStoreError(f"workload {name!r}: needs a model and a task")
         entries = {}
         for e in doc["entries"]:
             key = setting_key(e["settings"])
+            if key in entries:
+                raise RealStoreError(f"entries {entries[key].get('name')!r} and "
+                                     f"{e.get('name')!r} are one setting")
             for wl, r in e["results"].items():
                 if wl not in workloads:
                     raise RealStoreError(f"entry {e.get('name')!r}: unknown workload {wl!r}")
-                float(r["loss_delta"])
-                list(r["seeds"])
+                if not r.get("diverged"):
+                    _number(f"entry {e.get('name')!r}, {wl}: loss_delta", r["loss_delta"])
+                if r.get("accuracy_delta_pts") is not None:
+                    _number(f"entry {e.get('name')!r}, {wl}: accuracy_delta_pts",
+                            r["accuracy_delta_pts"])
+                if not r["seeds"] or not all(isinstance(x, int) for x in r["seeds"]):
+                    raise RealStoreError(f"entry {e.get('name')!r}, {wl}: seeds "
+                                         f"{r['seeds']!r}")
             entries[key] = e
     except RealStoreError as e:
         raise RealStoreError(f"real-model quality store {p}: {e}") from None

@@ -339,8 +339,9 @@ def _run_study(storage, *, study_name, factory, ts, space, n_trials, storage_url
         # again after the trials and keep the best of its measurements, so the "vs AdamW"
         # ratio does not rest on one unlucky run.
         again = measure_reference(factory, ts)
-        samples = list(reference.get("throughput_samples") or [reference["throughput"]])
-        samples.append(again["throughput"])
+        # this session's pair: the figure it started from and the one after its trials (a
+        # noisy session long ago does not hide the column for ever)
+        samples = [reference["throughput"], again["throughput"]]
         reference = dict(reference,
                          throughput=max(reference["throughput"], again["throughput"]),
                          throughput_measurements=reference.get("throughput_measurements", 1) + 1,
@@ -436,8 +437,12 @@ times the slower, the machine's noise is larger than what a "vs AdamW" ratio cou
 def reference_noise(ref: dict[str, Any]) -> str | None:
     """Why the "vs AdamW" column is left out (AdamW's measurements disagree by more than
     :data:`NOISE_SPREAD`), or None when it stands."""
-    samples = [x for x in ref.get("throughput_samples") or [] if x]
-    if len(samples) < 2 or max(samples) <= NOISE_SPREAD * min(samples):
+    samples = list(ref.get("throughput_samples") or [])
+    if len(samples) < 2:
+        return None
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in samples):
+        return f"AdamW's throughput measurements {samples} are not all positive numbers"
+    if max(samples) <= NOISE_SPREAD * min(samples):
         return None
     unit = ref.get("unit", "items")
     return (f"AdamW's throughput measured {', '.join(f'{x:,.0f}' for x in samples)} {unit}/s "
@@ -461,7 +466,9 @@ def format_table(study: optuna.Study, top: int = 5) -> str:
         rel = (t.value / ref["throughput"] if ref.get("throughput") and noisy is None
                else float("nan"))
         lines.append(
-            f"{i:>4} {t.number:>5} {t.value:>11,.0f} {rel:>7.2f}x {t.user_attrs['heldout_loss']:>7.4f} "
+            f"{i:>4} {t.number:>5} {t.value:>11,.0f} "
+            f"{'-' if math.isnan(rel) else format(rel, '.2f') + 'x':>8} "
+            f"{t.user_attrs['heldout_loss']:>7.4f} "
             f"{t.user_attrs['loss_limit']:>7.4f} {s['topk_ratio']:>6.3f} {s['update_interval']:>4} "
             f"{s['select_interval']:>5} {'2^' + str(int(math.log2(s['chunk_size']))):>6} "
             f"{s['host_threads']:>4} {_fmt_scale(s['host_lr_scale']):>8} "

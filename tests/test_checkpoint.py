@@ -166,6 +166,52 @@ def test_load_rejects_mismatched_groups():
     opt.close()
 
 
+def test_the_open_windows_lr_sum_is_checked_and_taken_back_as_a_float():
+    """``acc_lr`` (the sum of the open window's lrs, since 2026-12-06): a tensor, as a
+    framework may hand it back, loads as a float and resumes bit for bit; a bad value is
+    refused naming it, the optimizer's state untouched; a state saved before the sum
+    existed still loads."""
+    data = batches(6)
+    model = make_model()
+
+    def constant_lr(m):  # (fresh()'s schedule starts at lr 0: no sum to see)
+        return ZenFlowOptimizer(param_groups(m), **CFG)
+
+    opt = constant_lr(model)
+    train(model, opt, data[:2])  # mid-window: the window of 4 holds 2 gradients
+    sd = roundtrip(opt.state_dict())
+    sums = [st["acc_lr"] for st in sd["state"].values() if "acc_lr" in st]
+    assert sums and any(x > 0 for x in sums)
+    as_tensors = roundtrip(sd)
+    for st in as_tensors["state"].values():
+        if "acc_lr" in st:
+            st["acc_lr"] = torch.tensor(st["acc_lr"], dtype=torch.float64)
+    model2 = make_model()
+    opt2 = constant_lr(model2)
+    bad = roundtrip(sd)
+    next(st for st in bad["state"].values() if "acc_lr" in st)["acc_lr"] = float("nan")
+    with pytest.raises(ValueError, match="acc_lr must be a finite number"):
+        opt2.load_state_dict(bad)
+    assert opt2.state_dict()["state"] == {}
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(as_tensors)
+    assert all(isinstance(st.get("acc_lr", 0.0), float) for st in opt2.state.values())
+    train(model, opt, data[2:])
+    train(model2, opt2, data[2:])
+    opt.synchronize()
+    opt2.synchronize()
+    for a, b in zip(params_of(model), params_of(model2)):
+        assert torch.equal(a, b)
+    old = roundtrip(sd)
+    for st in old["state"].values():
+        st.pop("acc_lr", None)
+    model3 = make_model()
+    opt3 = constant_lr(model3)
+    opt3.load_state_dict(old)
+    for o in (opt, opt2, opt3):
+        o.close()
+
+
 def test_load_warns_when_the_saved_schedule_or_step_rule_differs():
     """A state saved under host_lr_scale=1.0 (the default before "sqrt") and loaded into an
     optimizer with today's default warns, naming the field; execution-only fields (threads,

@@ -98,6 +98,14 @@ def test_verdicts_pass_fail_and_unmeasured_by_the_bar(tmp_path):
     # a workload beyond the core counts against a setting measured on it
     extra = store.verdict({"topk_ratio": 0.3})
     assert extra.measured and not extra.passed and extra.failed[0].workload == "cls2"
+    # a divergence fails the setting on that workload; it is never "not measured"
+    div = _store(tmp_path, [dict(_entry("div", {}, cls1=dict(loss_delta=0.0,
+                                                               accuracy_delta_pts=0.0)),
+                                 results={"cls1": {"seeds": [0, 1], "loss_delta": 0.0},
+                                          "lm1": {"seeds": [0, 1], "diverged": 1,
+                                                  "loss_delta": None}})])
+    d = RQ.load_store(div).verdict({})
+    assert d.measured and not d.passed and "diverged on 1 seed(s)" in d.failed[0].why
     never = store.verdict({"topk_ratio": 0.5})
     assert not never.measured and never.name is None
     with pytest.raises(RQ.RealStoreError, match="unknown quality bar 'loose'"):
@@ -119,12 +127,18 @@ def test_setting_keys_name_the_arithmetic_not_the_spelling():
     ("{", "not readable JSON"),
     ('{"format": 2}', "format 2"),
     ('{"format": 1, "core": ["x"], "workloads": {}, "entries": []}', "not described"),
-    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm"}}, '
+    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
      '"entries": [{"name": "n", "settings": {}, "results": {"v": {"loss_delta": 0, '
      '"seeds": [0]}}}]}', "unknown workload 'v'"),
-    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm"}}, '
+    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
      '"entries": [{"name": "n", "settings": {}, "results": {"w": {"seeds": [0]}}}]}',
      "malformed"),
+    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
+     '"entries": [{"name": "n", "settings": {}, "results": {"w": {"seeds": [0], '
+     '"loss_delta": "x"}}}]}', "loss_delta must be a finite number"),
+    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
+     '"entries": [{"name": "a", "settings": {}, "results": {}}, '
+     '{"name": "b", "settings": {"topk_ratio": 0.1}, "results": {}}]}', "are one setting"),
 ])
 def test_a_corrupt_store_names_the_file_and_the_problem(tmp_path, text, match):
     path = tmp_path / "bad.json"
@@ -189,7 +203,10 @@ def test_run_takes_sharding_like_predict(dirs, capsys):
     ddp = MD.run_modelled(profile="h200-sxm", model="llama3-70b", gpus=8, quality="real",
                           log=lambda m: None)
     # fsdp2 holds 1/8 of the params, gradients and state per GPU: less memory at every point
-    for a, b in zip(fsdp.rows, ddp.rows):
+    by_key = {RQ.setting_key(r.point.settings): r for r in ddp.rows}
+    assert len(fsdp.rows) > 1  # (ddp may add the lean settings: nothing else fits there)
+    for a in fsdp.rows:
+        b = by_key[RQ.setting_key(a.point.settings)]
         assert a.prediction.device_memory_bytes < b.prediction.device_memory_bytes
     assert code == (0 if fsdp.best is not None else 2)
     assert cli.main(["run", "--sharding", "fsdp2"]) == 1
@@ -211,3 +228,28 @@ def test_the_tiny_lm_verdict_says_it_is_a_demo(dirs, capsys, monkeypatch):
                   "llama2-7b", "--quality", "workload", "--no-profile"])
     assert "a fast demo of the tuner, not a verdict" in capsys.readouterr().out
     assert calls["quality"] == "workload"
+
+
+def test_a_profile_setting_the_store_never_ran_is_not_judged_by_it(dirs):
+    """Settings outside the grid that change the arithmetic (bf16 host moments here) are part
+    of a point's identity: a base profile with them leaves every store entry unmeasured."""
+    plain = MD.real_quality_store(None, "tuned")
+    odd = MD.real_quality_store(None, "tuned", base={"host_state_dtype": "bfloat16"})
+    assert plain.points and not odd.points
+
+
+def test_lean_no_leaves_the_lean_settings_out(dirs):
+    store = MD.real_quality_store(None, "tuned", lean=False)
+    assert store.points and not any(MD.is_lean(p.settings) for p in store.points)
+    assert any(MD.is_lean(p.settings) for p in MD.real_quality_store(None, "tuned").points)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--quality", "real", "--workload", "m:f"], "--workload: the real-model store judges"),
+    (["--quality", "workload", "--quality-bar", "default"], "--quality-bar: only with"),
+])
+def test_quality_options_that_would_be_ignored_are_refused(extra, message, dirs, capsys):
+    argv = ["run", "--objective", "modelled", "--profile", "a100-pcie4", "--model",
+            "llama2-7b", "--no-profile"] + extra
+    assert cli.main(argv) == 1
+    assert message in capsys.readouterr().err

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from autotune import cli
+from tests.support.profiles import pin_profile
 from autotune import stepmodel as S
 from zenflow_triton import ZenFlowConfig
 from zenflow_triton import profiles as P
@@ -595,11 +596,12 @@ def test_cli_predict_options_change_the_prediction(capsys):
     assert every["zenflow"]["step_time_s"] > rare["zenflow"]["step_time_s"]
 
 
-def test_apply_delay_hides_the_host_job_behind_fewer_steps(capsys):
+def test_apply_delay_hides_the_host_job_behind_fewer_steps(capsys, monkeypatch, tmp_path):
     """apply_delay = d: the host job hides behind d steps of device time instead of a window.
     Llama-2-7B on a100-pcie4 at 0.1 x 4 is host-bound (the job takes about 3 steps): a
     delay of 3 or 4 (the default) costs nothing, 2 and 1 cost more each step; where the job
     takes less than one step (a fast host), no delay costs anything."""
+    pin_profile(monkeypatch, tmp_path)  # (the command line below reads its settings)
     h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
 
     def step(hw_, d):
@@ -679,12 +681,15 @@ def test_cli_predict_sharding_fsdp2_reports_per_gpu_memory(capsys):
     assert "invalid choice: 'zero3'" in capsys.readouterr().err
 
 
-def test_cli_predict_dense_params_moves_the_embeddings_between_sides(capsys):
+def test_cli_predict_dense_params_moves_the_embeddings_between_sides(capsys, monkeypatch,
+                                                                    tmp_path):
     """The dense set (embed_tokens and lm_head of the preset) costs device memory and saves
     host memory and link bytes; --dense-params with no pattern splits them; the built-in
     profiles (regenerated with the dense set) spell out the library's default set; the
     other modes offload every matrix either way."""
     from zenflow_triton.config import ZenFlowConfig
+
+    pin_profile(monkeypatch, tmp_path)  # a profile with the dense set
 
     args = ["predict", "--profile", "a100-pcie4", "--model", "llama2-7b", "--json"]
     assert cli.main(args) == 0

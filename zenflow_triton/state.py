@@ -161,6 +161,8 @@ def restore_param_state(p: torch.Tensor, saved: dict, config: ZenFlowConfig,
         if key in ("step", "device_step", "host_step", "acc_count") \
                 and isinstance(value, torch.Tensor):
             value = int(value.item())
+        if key == "acc_lr":  # (a framework may hand it back as a tensor)
+            value = float(value.item() if isinstance(value, torch.Tensor) else value)
         if not isinstance(value, torch.Tensor):
             st[key] = value
             continue

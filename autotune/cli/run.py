@@ -331,6 +331,13 @@ def _check_modelled_options(args: argparse.Namespace) -> None:
         M.Workload.from_spec(args.model)
     except M.StepModelError as e:
         raise UsageError(f"--model: {e}") from None
+    source = quality_source(args)
+    if source == "real" and args.workload:
+        raise UsageError("--workload: the real-model store judges quality on its own models; "
+                         "give --quality workload to judge on yours")
+    if source == "workload" and args.quality_bar != "tuned":
+        raise UsageError("--quality-bar: only with --quality real (a workload's guard is "
+                         "--loss-margin)")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
 
@@ -343,6 +350,8 @@ def _quality_settings(args: argparse.Namespace) -> tuple[TuneSettings, MD.Qualit
     if "steps" in over and "skip_steps" not in over:
         over["skip_steps"] = min(TuneSettings().skip_steps, max(0, over["steps"] // 5))
     try:
+        if args.workload == STUDY_WORKLOAD:  # (its own lr, not the tiny LM's)
+            over.setdefault("lr", STUDY_LR)
         _, ts = MD.default_quality_settings(workload=args.workload, **over)
         grid_kw: dict = {}
         if args.topk_grid:
@@ -369,11 +378,15 @@ def _report_modelled(out: MD.ModelledOutcome, top: int) -> int:
     print(MD.guard_line(out.store))
     print(MD.format_modelled_table(out, top=top))
     if out.best is None:
-        why = ("no grid point fits in device memory" if not any(r.fits for r in out.rows)
+        why = ("no setting asked for is measured on real models" if not out.rows
+               and out.store.real is not None
+               else "no grid point fits in device memory" if not any(r.fits for r in out.rows)
                else "no feasible grid point fits in device memory" if out.store.n_feasible
                else "every grid point missed the quality guard")
-        hint = ("a smaller --model, fewer --tokens, --sharding fsdp2 with more --gpus, "
-                "or --quality-bar tuned" if out.store.real is not None else
+        hint = (("a smaller --model, fewer --tokens, --sharding fsdp2 with more --gpus"
+                 + (", or --quality-bar tuned" if out.store.real.bar != "tuned" else "")
+                 + "; or measure the settings on the real models (bench/convergence/study.py)")
+                if out.store.real is not None else
                 "a smaller --model, more --gpus, a finer grid, or a looser --loss-margin")
         print(f"\n{why}: nothing saved. Try {hint}.", file=sys.stderr)
         return EXIT_RUNTIME

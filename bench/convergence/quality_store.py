@@ -78,7 +78,7 @@ def read_rows(files: list[Path]) -> list[dict]:
     for f in files:
         for r in json.loads(f.read_text(encoding="utf-8")):
             key = (r["workload"], _lr(r), r["optimizer"], r["seed"])
-            if key not in seen and not r.get("diverged") and r.get("final"):
+            if key not in seen and (r.get("diverged") or r.get("final")):
                 seen.add(key)
                 rows.append(r)
     return rows
@@ -86,7 +86,8 @@ def read_rows(files: list[Path]) -> list[dict]:
 
 def build(files: list[Path]) -> dict:
     rows = read_rows(files)
-    ref = {(_workload_id(r), r["seed"]): r["final"] for r in rows if r["optimizer"] == "adamw"}
+    ref = {(_workload_id(r), r["seed"]): r["final"] for r in rows
+           if r["optimizer"] == "adamw" and not r.get("diverged")}
     entries: dict[str, dict] = {}
     workloads: dict[str, dict] = {}
     seeds_all: set[int] = set()
@@ -103,6 +104,19 @@ def build(files: list[Path]) -> dict:
         results = {}
         for wl, rs in sorted(by_wl.items()):
             rs.sort(key=lambda r: r["seed"])
+            plain = rs[0]["workload"]
+            if plain not in DESCRIBE:
+                raise SystemExit(f"workload {plain!r} has rows but no description in DESCRIBE "
+                                 "(model, kind, task): add one")
+            model, kind, task = DESCRIBE[plain]
+            workloads[wl] = {"model": model, "kind": kind, "task": task, "lr": _lr(rs[0]),
+                             "steps": rs[0].get("steps")}
+            diverged = sum(bool(r.get("diverged")) for r in rs)
+            if diverged:  # a divergence fails the setting on this workload, never hides
+                results[wl] = {"seeds": [r["seed"] for r in rs], "diverged": diverged,
+                               "loss_delta": None}
+                seeds_all.update(results[wl]["seeds"])
+                continue
             base = [ref[(wl, r["seed"])] for r in rs]
             loss = statistics.mean(r["final"]["loss"] - b["loss"] for r, b in zip(rs, base))
             res = {"seeds": [r["seed"] for r in rs], "loss_delta": round(loss, 6)}
@@ -112,14 +126,12 @@ def build(files: list[Path]) -> dict:
                 res["accuracy_delta_pts"] = round(100 * acc, 3)
             results[wl] = res
             seeds_all.update(res["seeds"])
-            plain = rs[0]["workload"]
-            model, kind, task = DESCRIBE[plain]
-            workloads[wl] = {"model": model, "kind": kind, "task": task, "lr": _lr(rs[0]),
-                             "steps": rs[0].get("steps")}
         settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()}
         key = setting_key(settings)
         if key in entries:  # two names for one arithmetic: keep the one with more rows
-            if len(entries[key]["results"]) >= len(results):
+            def rows_of(res: dict) -> int:
+                return sum(len(r["seeds"]) for r in res.values())
+            if rows_of(entries[key]["results"]) >= rows_of(results):
                 continue
         entries[key] = {"name": name, "settings": settings, "results": results}
     return {
@@ -137,6 +149,10 @@ def build(files: list[Path]) -> dict:
             "recipe": "bench/convergence/train.py: warm-up over the first 10% of the steps, "
                       "clipping at 1.0, weight decay 0.01; final held-out loss (and accuracy) "
                       "after opt.eval()",
+            "lr_rule": "rows written before commit a4d6a2d (2026-12-06) ran with a window's "
+                       "host step at the lr of the step that closed it; since, at the mean of "
+                       "its steps' lrs. The two differ only for windows in the lr warm-up and "
+                       "decay (docs/quality.md, 'The window's learning rate')",
         },
         "core": list(CORE),
         "workloads": dict(sorted(workloads.items())),

@@ -14,6 +14,7 @@ bounds.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -175,6 +176,14 @@ def check_param_state(label: str, p: torch.Tensor, saved: Any, kind: str,
         _tensor(f"{where}: {key}", saved.get(key), (rows, n), row_options)
     for key in ("device_step", "host_step"):
         _as_int(f"{where}: {key}", saved.get(key))
+    lr_sum = saved.get("acc_lr")
+    if lr_sum is not None:  # the sum of the open window's lrs (absent in older states)
+        if isinstance(lr_sum, torch.Tensor) and lr_sum.numel() == 1:
+            lr_sum = lr_sum.item()
+        if isinstance(lr_sum, bool) or not isinstance(lr_sum, (int, float)) \
+                or not math.isfinite(lr_sum) or lr_sum < 0:
+            raise ValueError(f"{where}: acc_lr must be a finite number >= 0 (the sum of the "
+                             f"open window's learning rates), got {saved.get('acc_lr')!r}")
     if _as_int(f"{where}: acc_count", saved.get("acc_count")) > 0:
         _tensor(f"{where}: acc", saved.get("acc"), (rows, n), row_options)
 

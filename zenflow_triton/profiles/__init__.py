@@ -310,9 +310,9 @@ def describe(profile: Profile) -> str:
         lines.append(f"  {profile.description}")
     quality = profile.provenance.get("quality")
     if isinstance(quality, dict) and quality.get("summary"):
-        lines.append(f"  quality: {quality.get('source', '?')}: {quality['summary']}; models "
-                     f"{', '.join(map(str, quality.get('models') or []))}; seeds "
-                     f"{', '.join(map(str, quality.get('seeds') or []))}")
+        extra = "".join(f"; {k} {', '.join(map(str, quality[k]))}" for k in ("models", "seeds")
+                        if quality.get(k))
+        lines.append(f"  quality: {quality.get('source', '?')}: {quality['summary']}{extra}")
     lines.append("  settings:")
     lines += [f"    {k} = {v!r}" for k, v in profile.settings.items()]
     lines.append("  hardware:")
