@@ -99,6 +99,42 @@ def test_bad_steady_step_raises_at_the_boundary_with_the_masked_steps_undone():
         ref_opt.close()
 
 
+def test_a_param_first_seen_after_the_bad_step_is_rolled_back_too():
+    """fc2 gets no gradient at the bad step 6, one at step 7 (masked like every step after
+    the bad one): the rollback puts back its counters as well (its window's count and lr
+    sum), so going on equals a run that skipped steps 6 and 7, bit for bit."""
+    data = batches(12)
+    model, ref = _model(), _model()
+    opt, ref_opt = _opt(model), _opt(ref)
+    try:
+        for x in data[:5]:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                _grads(m, x)
+                o.step()
+        fc2 = opt.state[model.fc2.weight]
+        counts5 = {k: fc2[k] for k in ("device_step", "acc_count", "acc_lr")}
+        _grads(model, data[5], poison=True)
+        model.fc2.weight.grad = None
+        opt.step()  # step 6: bad, fc2 not in it
+        _grads(model, data[6])
+        opt.step()  # step 7: masked, fc2 in it
+        _grads(model, data[7])
+        with pytest.raises(NonFiniteGradientError, match="at step 6"):
+            opt.step()
+        assert {k: fc2[k] for k in counts5} == counts5
+        for x in data[8:12]:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                _grads(m, x)
+                o.step()
+        opt.synchronize()
+        ref_opt.synchronize()
+        for a, b in zip(params_of(model), params_of(ref)):
+            assert torch.equal(a, b)
+    finally:
+        opt.close()
+        ref_opt.close()
+
+
 def test_a_save_reads_what_steady_steps_left():
     """state_dict() reads the unread checks first: a bad one raises there (rolled back), and
     the next state_dict() saves the state as after the step before the bad one."""

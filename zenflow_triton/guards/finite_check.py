@@ -197,7 +197,11 @@ class FiniteWatch:
             flag.zero_()
 
     def _roll_back(self, first_bad: int) -> None:
-        self._pending[first_bad].undo()
+        """Undo every masked step from the first bad one, the latest first: each step's undo
+        puts back the counters of the params in its own work, so a param that got no
+        gradient at the bad step but one after it is restored too."""
+        for rec in reversed(self._pending[first_bad:]):
+            rec.undo()
         self.discard()
 
     def _names(self, params: list[torch.Tensor]) -> str:
