@@ -137,10 +137,11 @@ def _repeat(timed: Callable[[], None], busy: Callable[[], None] | None, streams:
             budget_s: float) -> tuple[list[float], bool]:
     """One warm-up, then the repeats that fit ``budget_s``: the timed copy's seconds, and
     whether the other direction's copy outlasted every timed one."""
-    first, _ = _copies(timed, busy, streams)
+    first, other = _copies(timed, busy, streams)
     times: list[float] = []
     outlasted = True
-    for _ in range(repeats_for(budget_s, first)):
+    # a repeat lasts as long as the longer copy (the busy one, where there is one)
+    for _ in range(repeats_for(budget_s, max(first, other or 0.0))):
         t, other = _copies(timed, busy, streams)
         times.append(t)
         outlasted = outlasted and (other is None or other >= t)

@@ -131,9 +131,10 @@ def _measured_workload(args: argparse.Namespace) -> str | None:
     if args.workload or args.quick or training.study_extras_missing():
         return args.workload
     say(f"tuning on {STUDY_WORKLOAD!r}: SmolLM2-135M fine-tuned on Python's docs (the study "
-        "extras are installed), 200 steps of 4 x 64 tokens a trial at lr 2e-5; on 2 CPU cores "
-        "a step takes about 3 s, a trial about 10 minutes, 40 trials most of a day (the bar "
-        "shows the time left; --n-trials, --steps, or --quick for the tiny LM's demo)")
+        f"extras are installed), by default {FULL['steps']} steps of 4 x 64 tokens a trial at "
+        f"lr {STUDY_LR:g}; on 2 CPU cores a step takes about 3 s, a trial about 10 minutes, "
+        f"{FULL['n_trials']} trials most of a day (the bar shows the time left; --n-trials, "
+        "--steps, or --quick for the tiny LM's demo)")
     return STUDY_WORKLOAD
 
 
