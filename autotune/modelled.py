@@ -621,11 +621,9 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         if grid is not None and (lean or lean is None and not any(
                 _fits(hw, wl, where, base, p) for p in grid.points())):
             grid = dataclasses.replace(grid, lean=True)  # (as the workload's grid does)
+        # the lean settings the store measured compete like any other (their quality is
+        # measured, nothing to train); --lean no leaves them out
         store = real_quality_store(grid, bar, base=base, lean=lean)
-        if grid is None and lean is None and any(
-                r.eligible for r in rank_points(store, hw, wl, base_settings=base, **where)
-                if not is_lean(r.point.settings)):  # lean only where nothing else fits
-            store = real_quality_store(None, bar, base=base, lean=False)
         if store.real.unmeasured:
             log(f"{len(store.real.unmeasured)} point(s) asked for are not measured on real "
                 "models: left out (bench/convergence/study.py measures a setting; "

@@ -47,10 +47,8 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
                tokens: int, storage: str | None, dry_run: bool, top: int,
                headroom: float = 0.25, apply_delays: tuple[float, ...] | None = None,
                quality: str = "real", bar: str = MD.DEFAULT_BAR) -> int:
-    lean_free = None
     if quality == "real":  # every setting class the real-model store measured, by its bar
         store = MD.real_quality_store(None, bar)
-        lean_free = MD.real_quality_store(None, bar, lean=False)  # preferred where one fits
         ceiling = ref = math.inf
         print(MD.guard_line(store))
     else:
@@ -81,11 +79,6 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
         for preset in [model] + [f for f in fallback if f != model]:
             wl = SM.Workload.from_preset(preset, tokens=tokens)
             rows = MD.rank_points(store, hw, wl, gpus=gpus, base_settings=dict(prof.settings))
-            if lean_free is not None:  # the lean settings only where nothing else fits
-                plain = MD.rank_points(lean_free, hw, wl, gpus=gpus,
-                                       base_settings=dict(prof.settings))
-                if any(r.eligible for r in plain):
-                    rows = plain
             cfg = SM.zenflow_config(dict(prof.settings))
             zo = SM.predict(hw, wl, "zero-offload", gpus=gpus, config=cfg)
             eligible = [r for r in rows if r.eligible and (store.real is not None
