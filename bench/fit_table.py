@@ -46,7 +46,17 @@ def row(card: str, profile: str, memory: float | None, model: str, bar: str) -> 
                               bar=bar, log=lambda s: None)
         if out.best is not None:
             break
-        why = f"no setting fits or passes the bar ({'; '.join(out.notes)})"
+        fitting = [r for r in out.rows if r.fits]
+        if fitting:  # something fits, nothing that fits passes: say what and what instead
+            fits = sorted((p.modelled_step_time_s, m) for m, p in out.peers.items() if p.fits)
+            failed = "; ".join(
+                f"{r.point.settings['topk_ratio']:g} x {r.point.settings['update_interval']} "
+                f"{MD.device_side(r.settings)} fits ({r.step_time_s:.2f} s) but "
+                f"{r.point.verdict.summary()}" for r in fitting)
+            peer = (f"{fits[0][1]} {fits[0][0]:.2f} s" if fits else "none fits")
+            return (head + f" no measured setting both fits and stays within the bar at "
+                    f"{tokens} tokens: {failed} | - | - | {peer}: the tuner names it | - |")
+        why = f"nothing measured fits ({'; '.join(out.notes)})"
     if out is None or out.best is None:
         return head + f" {why} | - | - | - | - |"
     b = out.best
