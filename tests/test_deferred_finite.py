@@ -48,6 +48,22 @@ def _train(model, opt, data) -> None:
         opt.step()
 
 
+def _lockstep(runs, data) -> None:
+    """Each (model, optimizer) of ``runs`` steps on each batch of ``data``, in turn."""
+    for x in data:
+        for m, o in runs:
+            _grads(m, x)
+            o.step()
+
+
+def _assert_same_params(model, opt, ref, ref_opt) -> None:
+    """Both runs' host work applied, their params equal bit for bit."""
+    opt.synchronize()
+    ref_opt.synchronize()
+    for a, b in zip(params_of(model), params_of(ref)):
+        assert torch.equal(a, b)
+
+
 def _device_state(opt) -> list[torch.Tensor]:
     out = []
     for st in opt.state.values():
@@ -62,10 +78,7 @@ def test_bad_steady_step_raises_at_the_boundary_with_the_masked_steps_undone():
     model, ref = _model(), _model()
     opt, ref_opt = _opt(model), _opt(ref)
     try:
-        for x in data[:5]:
-            for m, o in ((model, opt), (ref, ref_opt)):
-                _grads(m, x)
-                o.step()
+        _lockstep(((model, opt), (ref, ref_opt)), data[:5])
         after5 = params_of(model)
         state5 = _device_state(opt)
         _grads(model, data[5], poison=True)
@@ -85,15 +98,9 @@ def test_bad_steady_step_raises_at_the_boundary_with_the_masked_steps_undone():
         for a, b in zip(_device_state(opt), state5):
             assert torch.equal(a, b)
         # Going on from step 5 with the next batches equals a run that skipped the bad ones.
-        for x in data[8:12]:
-            for m, o in ((model, opt), (ref, ref_opt)):
-                _grads(m, x)
-                o.step()
+        _lockstep(((model, opt), (ref, ref_opt)), data[8:12])
         assert opt.stats()["steps"] == ref_opt.stats()["steps"] == 9
-        opt.synchronize()
-        ref_opt.synchronize()
-        for a, b in zip(params_of(model), params_of(ref)):
-            assert torch.equal(a, b)
+        _assert_same_params(model, opt, ref, ref_opt)
     finally:
         opt.close()
         ref_opt.close()
@@ -107,10 +114,7 @@ def test_a_param_first_seen_after_the_bad_step_is_rolled_back_too():
     model, ref = _model(), _model()
     opt, ref_opt = _opt(model), _opt(ref)
     try:
-        for x in data[:5]:
-            for m, o in ((model, opt), (ref, ref_opt)):
-                _grads(m, x)
-                o.step()
+        _lockstep(((model, opt), (ref, ref_opt)), data[:5])
         fc2 = opt.state[model.fc2.weight]
         counts5 = {k: fc2[k] for k in ("device_step", "acc_count", "acc_lr")}
         _grads(model, data[5], poison=True)
@@ -122,14 +126,8 @@ def test_a_param_first_seen_after_the_bad_step_is_rolled_back_too():
         with pytest.raises(NonFiniteGradientError, match="at step 6"):
             opt.step()
         assert {k: fc2[k] for k in counts5} == counts5
-        for x in data[8:12]:
-            for m, o in ((model, opt), (ref, ref_opt)):
-                _grads(m, x)
-                o.step()
-        opt.synchronize()
-        ref_opt.synchronize()
-        for a, b in zip(params_of(model), params_of(ref)):
-            assert torch.equal(a, b)
+        _lockstep(((model, opt), (ref, ref_opt)), data[8:12])
+        _assert_same_params(model, opt, ref, ref_opt)
     finally:
         opt.close()
         ref_opt.close()
