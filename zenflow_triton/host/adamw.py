@@ -221,6 +221,10 @@ def pin_current_thread(cores: "Sequence[int] | None") -> bool:
 
 # ---------------------------------------------------------------------------- the pool
 
+_READY_TIMEOUT_S = 10.0
+"""How long a new pool waits for each worker's set-up before going on without it."""
+
+
 class _Pool:
     """``n`` daemon threads running submitted calls; futures carry results and errors."""
 
@@ -230,14 +234,22 @@ class _Pool:
         self.single_threaded = [False] * n
         self.cores = tuple(cores) if cores else None
         self.pinned = [False] * n
+        self._ready = [threading.Event() for _ in range(n)]
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"{name}-{i}",
                                           daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
+        # each worker's set-up (pinning, one OpenMP thread) done before the pool is used, so
+        # what it reports is what its work runs with (bounded: a slow start is not a hang)
+        for ready in self._ready:
+            ready.wait(timeout=_READY_TIMEOUT_S)
 
     def _run(self, i: int) -> None:
-        self.pinned[i] = pin_current_thread(self.cores)
-        self.single_threaded[i] = _worker_init()
+        try:
+            self.pinned[i] = pin_current_thread(self.cores)
+            self.single_threaded[i] = _worker_init()
+        finally:
+            self._ready[i].set()
         while True:
             item = self._queue.get()
             if item is None:
