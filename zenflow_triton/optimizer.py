@@ -10,6 +10,7 @@ docs/design.md, "Map of the code".
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -37,6 +38,14 @@ from .state import needs_setup, prepared, unselected
 from .stats import optimizer_stats
 from .stream import GradStream, check_streamable
 from .transfer import Link
+
+
+GONE_GRACE_S = 0.2
+"""How long :meth:`ZenFlowOptimizer.close` after ``destroy_process_group()`` sleeps: the
+process group lives on inside DDP's reducer, and gloo's thread releases its last finished
+collective with the GIL; if the main thread then frees the reducer (holding the GIL) before
+that thread got it, the group's destructor waits for the thread forever (docs/distributed.md,
+"The end of a run")."""
 
 
 class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
@@ -328,6 +337,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
                           "open window together any more, so it is left unapplied; call "
                           "close() (or finish()) before destroy_process_group()", UserWarning,
                           stacklevel=2)
+            time.sleep(GONE_GRACE_S)  # GIL released: the backend's thread can finish
             return self._stop()
         try:
             self.finish()
