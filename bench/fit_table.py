@@ -48,12 +48,12 @@ def row(card: str, profile: str, memory: float | None, model: str, bar: str) -> 
             break
         fitting = [r for r in out.rows if r.fits]
         if fitting:  # something fits, nothing that fits passes: say what and what instead
-            fits = sorted((p.modelled_step_time_s, m) for m, p in out.peers.items() if p.fits)
+            fastest = MD.fastest_peer(out)
             failed = "; ".join(
                 f"{r.point.settings['topk_ratio']:g} x {r.point.settings['update_interval']} "
                 f"{MD.device_side(r.settings)} fits ({r.step_time_s:.2f} s) but "
                 f"{r.point.verdict.summary()}" for r in fitting)
-            peer = (f"{fits[0][1]} {fits[0][0]:.2f} s" if fits else "none fits")
+            peer = f"{fastest[1]} {fastest[0]:.2f} s" if fastest else "none fits"
             return (head + f" no measured setting both fits and stays within the bar at "
                     f"{tokens} tokens: {failed} | - | - | {peer}: the tuner names it | - |")
         why = f"nothing measured fits ({'; '.join(out.notes)})"
@@ -62,8 +62,8 @@ def row(card: str, profile: str, memory: float | None, model: str, bar: str) -> 
     b = out.best
     s = b.settings
     step = b.step_time_s
-    fits = sorted((p.modelled_step_time_s, m) for m, p in out.peers.items() if p.fits)
-    peer = (f"{fits[0][1]} {fits[0][0]:.2f} s ({fits[0][0] / step:.2f}x ZenFlow's)" if fits
+    fastest = MD.fastest_peer(out)
+    peer = (f"{fastest[1]} {fastest[0]:.2f} s ({fastest[0] / step:.2f}x ZenFlow's)" if fastest
             else "none fits")
     v = b.point.verdict
     return (head + f" {s['topk_ratio']:g} x {s['update_interval']}"

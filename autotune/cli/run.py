@@ -285,7 +285,7 @@ def run_modelled(args: argparse.Namespace) -> int:
     common = dict(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
                   mfu=args.mfu, save_as=save_as, log=say, lean=lean, sharding=args.sharding)
     if quality_source(args) == "real":
-        ts, grid = _quality_settings(args)
+        _, grid = _quality_settings(args)  # (the grid options checked as for a workload)
         given = any(getattr(args, k) for k in ("topk_grid", "interval_grid", "delay_grid",
                                                 "betas_grid"))
         print(f"modelled objective: {where}; quality from the real-model store (bar "

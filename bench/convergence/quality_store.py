@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 from train import OPTIMIZERS, WARMUP_AS_LR  # noqa: E402
-from study import WORKLOADS  # noqa: E402
+from study import WORKLOADS, _lr  # noqa: E402  (a row's lr, the study's own rule)
 
 from autotune.realquality import FORMAT, STORE_PATH, setting_key  # noqa: E402
 
@@ -61,10 +61,6 @@ def _git(*args: str) -> str:
                               timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
-
-
-def _lr(row: dict) -> float:
-    return float(row.get("lr") or WORKLOADS[row["workload"]][0])
 
 
 def _workload_id(row: dict) -> str:
