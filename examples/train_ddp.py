@@ -71,11 +71,27 @@ def train(model, wl, opt, steps: int, rank: int, world: int, clip: float | None 
     opt.finish()  # collective: the end of training, every gradient applied on every rank
 
 
+KEPT: list = []
+"""This script's own collectives (work objects and tensors), held until the process exits.
+A synchronous ``dist.all_gather`` drops its work in Python as soon as it is done, and gloo's
+thread may then drop it last: releasing its tensors there takes the GIL, and at exit (DDP's
+reducer frees the process group, which joins that thread while holding the GIL) that is a
+hang (docs/distributed.md, "The end of a run"). Held here, gloo's thread never releases them
+last."""
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+    """``dist.all_gather``, its work and tensors kept in :data:`KEPT`."""
+    work = dist.all_gather(outputs, tensor, async_op=True)
+    work.wait()
+    KEPT.append((work, outputs, tensor))
+
+
 def same_on_every_rank(values: torch.Tensor, world: int) -> bool:
     """Whether every rank holds the same ``values`` (compared by two float64 sums)."""
     flat = values.reshape(-1).double().cpu()
     sums = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(sums, torch.stack([flat.sum(), (flat * flat.cumsum(0)).sum()]))
+    all_gather(sums, torch.stack([flat.sum(), (flat * flat.cumsum(0)).sum()]))
     return all(torch.equal(s, sums[0]) for s in sums)
 
 
@@ -85,7 +101,7 @@ def report_memory(opt, rank: int, world: int, steps: int, model_bytes: int) -> N
     mine = torch.tensor([st["host_state_bytes"], st["device_state_bytes"],
                          st["collective_bytes"]], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
+    all_gather(every, mine)
     if rank == 0:
         for r, b in enumerate(every):
             print(f"rank {r}: host state {b[0].item() / 2**20:.2f} MiB, "

@@ -35,7 +35,7 @@ class CountingDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def main() -> None:
+def main() -> tuple:
     out = sys.argv[1]
     callbacks = [] if "--no-callback" in sys.argv else [ZenFlowCallback()]
     cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
@@ -57,7 +57,10 @@ def main() -> None:
     trainer.train()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, flat)
+    # held to the end (async, returned to the module): a sync all_gather's work may be
+    # released last by gloo's thread, which at exit hangs or aborts (examples/train_ddp.py)
+    work = dist.all_gather(every, flat, async_op=True)
+    work.wait()
     if dist.get_rank() == 0:
         saved = torch.load(os.path.join(out, "checkpoint-8", "optimizer.pt"), weights_only=False)
         rows = sorted(st["host_master"].shape[0] for st in saved["state"].values()
@@ -66,7 +69,8 @@ def main() -> None:
                         steps=opt.stats()["steps"], saved_step=saved["zenflow"]["global_step"]),
                    os.path.join(out, "result.pt"))
     opt.close()
+    return work, every, flat
 
 
 if __name__ == "__main__":
-    main()
+    KEPT = main()
