@@ -37,7 +37,8 @@ from study import WORKLOADS, _lr  # noqa: E402  (a row's lr, the study's own rul
 
 from autotune.realquality import FORMAT, STORE_PATH, setting_key  # noqa: E402
 
-SOURCES = ("convergence.json", "widened.json", "lr_sweep.json", "widened2.json")
+SOURCES = ("convergence.json", "widened.json", "lr_sweep.json", "lr_sweep_2e5.json",
+           "widened2.json")
 CORE = ("smollm2", "smollm2-bbc", "minilm", "minilm-rt", "minilm-tweets")
 """The workloads every setting class of the store is asked to have (2 seeds each)."""
 DESCRIBE = {
@@ -51,6 +52,8 @@ DESCRIBE = {
                        "crowd-labelled tweets, 3 classes, linear decay"),
     "minilm3-bbc": ("all-MiniLM-L6-v2, first 3 layers + new pooler", "classification",
                     "BBC News topics, 5 classes, linear decay"),
+    "mpnet-tweets": ("all-mpnet-base-v2 (12 layers)", "classification",
+                     "crowd-labelled tweets, 3 classes, linear decay"),
 }
 SKIPPED = {"adamw", "zero-offload"}  # the reference and a peer, not ZenFlow settings
 
