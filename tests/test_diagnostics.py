@@ -73,6 +73,7 @@ def test_diagnose_command_on_the_embedded_workload(tmp_path, capsys):
 
 @pytest.mark.parametrize("share,overlap,words", [
     (0.63, 0.65, "suits ZenFlow (0.63"), (0.36, 0.5, "suits ZenFlow with care"),
+    (0.36, 0.5, "host_betas='window' with apply_delay=1"),
     (0.15, 0.5, "may not suit"), (0.6, 0.2, "changes from step to step")])
 def test_the_verdict_follows_the_measured_thresholds(share, overlap, words):
     from zenflow_triton.diagnostics import verdict

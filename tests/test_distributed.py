@@ -109,7 +109,7 @@ def _collectives_scenario(rank: int) -> dict:
     RowShard._wait = counted
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG, fresh_if_spread=False)  # as given
     per_step, syncs = [], []
     try:
         for x, y in batches(8):

@@ -383,7 +383,8 @@ def run_accelerate(steps: int, checkpoint_dir=None, save_after: int = 0):
     reset_accelerate()
     x, y = regression_data()
     model = tiny_mlp()
-    opt = ZenFlowOptimizer(model.parameters(), lr=1e-2, **ZF)
+    # the schedule as given (a job in flight at the save): not switched by fresh_if_spread
+    opt = ZenFlowOptimizer(model.parameters(), lr=1e-2, **ZF, fresh_if_spread=False)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     accelerator = accelerate.Accelerator(cpu=True)
     losses = []

@@ -180,7 +180,10 @@ BBC News to 0.015 behind on noisy tweets). Two model families: evidence, not a l
 
 def verdict(s: dict) -> str:
     """One line from a :meth:`GradientDiagnostics.summary`: does the model suit ZenFlow, and
-    which settings to start from (thresholds: :data:`VERDICT_TOPK`)."""
+    which settings to train it with (thresholds: :data:`VERDICT_TOPK`, and
+    ``columns.spread.SPREAD_SHARE``, the same line ``fresh_if_spread`` draws)."""
+    from .columns.spread import SPREAD_SHARE
+
     o = s["overall"]
     share, overlap = o["energy_share"], o["overlap_prev"]
     if abs(s["topk_ratio"] - VERDICT_TOPK) > 1e-9:
@@ -188,19 +191,22 @@ def verdict(s: dict) -> str:
                 f"--topk-ratio {VERDICT_TOPK}")
     unstable = (f"; the top set changes from step to step (overlap {overlap:.2f})"
                 if overlap == overlap and overlap < 0.4 else "")
-    if share >= 0.5:
+    if share >= SPREAD_SHARE:
         return (f"verdict: suits ZenFlow ({share:.2f} of the gradient energy in the top 10% "
-                "of columns, like SmolLM2's 0.63 where the defaults end within 0.003 nats "
+                "of columns, like SmolLM2's 0.58-0.63 where the defaults end within 0.003 nats "
                 f"of AdamW): start from the defaults or a tuned profile{unstable}")
+    fresh = ("host_betas='window' with apply_delay=1 (what the defaults switch to on a spread "
+             "gradient, fresh_if_spread; within about 0.01 nats of AdamW on the study's spread "
+             "workloads, for delay 1's step time): keep it, and do not train this model with a "
+             "profile's or config's host_betas='step' with a longer apply delay (up to 0.034 "
+             "nats and 2.6 points behind AdamW there; docs/quality.md, 'Spread gradients')")
     if share >= 0.3:
-        return (f"verdict: suits ZenFlow with care ({share:.2f} of the energy in the top 10%, "
-                "like the MiniLM classifiers' 0.34-0.37, where the defaults ended from 0.014 "
-                "nats ahead of AdamW to 0.015 behind, behind on noisy labels): start from the "
-                "defaults, keep update_interval <= 4, and check quality on your data "
-                f"(zenflow-tune run --workload ...){unstable}")
+        return (f"verdict: spread, suits ZenFlow with care ({share:.2f} of the energy in the top "
+                f"10%, under {SPREAD_SHARE}, like the encoder classifiers' 0.27-0.44): train "
+                f"with {fresh}{unstable}")
     return (f"verdict: may not suit ZenFlow ({share:.2f} of the energy in the top 10%, near "
             "uniform; no measured workload is this low): tune on your data with a higher "
-            f"topk_ratio (0.2-0.3) before relying on it{unstable}")
+            f"topk_ratio (0.2-0.3) before relying on it, and train with {fresh}{unstable}")
 
 
 def plot_summary(s: dict, path, title: str = "") -> None:

@@ -19,6 +19,7 @@ import torch
 from .checkpoint.methods import StateDictMethods
 from .checkpoint.state_dict import window_open, without_kernel_choices
 from .columns.split import ColumnSplit
+from .columns.spread import Spread
 from .config import ZenFlowConfig, check_hyper
 from .device import DeviceHalf
 from .dist.fsdp import LocalState, check_same_kind, local, localize
@@ -92,7 +93,9 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         self._pipeline = HostPipeline.for_config(self.link, cfg)
         self._worker, self._host_adamw = self._pipeline.worker, self._pipeline.adamw
         self._dev = DeviceHalf(self.ops, self.link, self._shard, cfg)
-        self._split = ColumnSplit(self.ops, self.link, cfg, self._shard, self._dev)
+        self._spread = Spread(self.link, lambda p: self._owner(p).numel(), cfg)  # once a run
+        self._split = ColumnSplit(self.ops, self.link, cfg, self._shard, self._dev,
+                                  self._spread)
         # Gradient streaming's hooks (stream_grads), clipping (max_grad_norm), live grad bytes
         self._stream = GradStream(cfg, self.ops, self.link, self._pipeline, self._dev,
                                   self.state, lambda: self._global_step + 1, self._param_name)
@@ -233,6 +236,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
             if fresh:
                 self._migrate(self._split.plan(fresh, self._states,
                                                scores=self._stream.scores()))
+        self.config = self._spread.settle(self.config)  # the first selection: spread?
 
     def _host_half(self, plan: StepPlan, direct: dict) -> None:
         """The host side of the plan: the apply due before a launch, the launch of the window
@@ -378,7 +382,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
                                shard=self._shard, link=self.link, pipeline=self._pipeline,
                                params=self._params(), state=self.state, kind_of=self._kind,
                                config=self.config, device_indices=self._dev.index_tensors(),
-                               counters=self._counters)
+                               counters=self._counters, spread=self._spread.stats())
 
 
 __all__ = ["ZenFlowOptimizer", "NonFiniteGradientError", "HostWorkerError",

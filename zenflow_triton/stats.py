@@ -71,10 +71,13 @@ def memory_bytes(state: dict, config: ZenFlowConfig, device_indices: Iterable[to
 def optimizer_stats(*, steps: int, backend: str, shard, link, pipeline, params: list,
                     state: dict, kind_of: Callable[[torch.Tensor], str],
                     config: ZenFlowConfig, device_indices: Iterable[torch.Tensor],
-                    counters: dict[str, int], streaming: dict[str, Any]) -> dict[str, Any]:
+                    counters: dict[str, int], streaming: dict[str, Any],
+                    spread: dict[str, Any] | None = None) -> dict[str, Any]:
     """``ZenFlowOptimizer.stats()``: counters, link bytes each way, the device-owned share of
-    elements, the bytes held on each side, host staging, and host wait/busy seconds. Reads;
-    changes nothing."""
+    elements, the bytes held on each side, host staging, host wait/busy seconds, and
+    ``spread`` (``columns.spread.Spread.stats``: the first selection's share of the squared
+    gradient in the top 10% of columns, whether that is spread, whether the run went fresh).
+    Reads; changes nothing."""
     multipliers = list(pipeline.multipliers.values())
     return dict(steps=steps, backend=backend, rank=shard.rank, world_size=shard.world,
                 collective_bytes=shard.bytes, bytes_device_to_host=link.bytes_d2h,
@@ -86,4 +89,5 @@ def optimizer_stats(*, steps: int, backend: str, shard, link, pipeline, params: 
                 host_lr_multiplier_mean=(sum(multipliers) / len(multipliers)
                                          if multipliers else None),
                 **counters, host_wait_seconds=pipeline.wait_seconds,
-                host_busy_seconds=pipeline.busy_seconds, **streaming)
+                host_busy_seconds=pipeline.busy_seconds, **streaming,
+                spread=spread)

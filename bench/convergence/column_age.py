@@ -47,7 +47,7 @@ def measure(workload: str, setting: dict, steps: int, lr: float, seed: int = 0) 
     job = BUILDERS[workload](seed)
     named = [(n, p) for n, p in job.model.named_parameters() if p.requires_grad]
     opt = ZenFlowOptimizer(named, lr=lr, weight_decay=0.01, host_lr_scale="adaptive",
-                           **setting)
+                           **{"fresh_if_spread": False, **setting})
     ages: dict[torch.Tensor, np.ndarray] = {}
     ever: dict[torch.Tensor, np.ndarray] = {}
     age_sum = 0.0

@@ -30,7 +30,8 @@ def train(lr: float, seed: int, zenflow: dict | None) -> float:
     wl = tiny_lm_finetune(seed=seed)
     params = wl.model.parameters()
     opt = (torch.optim.AdamW(params, lr=lr, weight_decay=0.01) if zenflow is None
-           else ZenFlowOptimizer(params, lr=lr, weight_decay=0.01, **zenflow))
+           else ZenFlowOptimizer(params, lr=lr, weight_decay=0.01,
+                                      **{"fresh_if_spread": False, **zenflow}))
     it = iter(wl.batches)
     for _ in range(STEPS):
         wl.loss_fn(wl.model, next(it)).backward()

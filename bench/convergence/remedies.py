@@ -147,7 +147,8 @@ def run(factory, ts: TuneSettings, variant: str) -> float:
 
     def make(params):
         opt = ZenFlowOptimizer(params, lr=ts.lr, betas=ts.betas, eps=ts.eps,
-                               weight_decay=ts.weight_decay, **cfg)
+                               weight_decay=ts.weight_decay,
+                               **{"fresh_if_spread": False, **cfg})
         if sign:
             with_sign_steps(opt, sign)
         return opt

@@ -88,6 +88,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-lean-0.01x8-window-delay1": dict(
         host_lr_scale="adaptive", accumulate_on="host", accumulator_dtype="bfloat16",
         topk_ratio=0.01, update_interval=8, host_betas="window", apply_delay=1, **_SPLIT),
+    # the library's defaults since fresh_if_spread (issue 50): the schedule of
+    # zenflow-adaptive-dense, switched to zenflow-adaptive-dense-window-delay1's where the
+    # first selection measures a spread gradient
+    "zenflow-defaults-fresh-if-spread": dict(host_lr_scale="adaptive", fresh_if_spread=True),
 }
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 
@@ -95,7 +99,10 @@ STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 def make_optimizer(params, lr: float, zenflow: dict[str, Any] | None):
     if zenflow is None:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    return ZenFlowOptimizer(params, lr=lr, weight_decay=0.01, **zenflow)
+    # every named setting is the schedule as written: fresh_if_spread only where it says so
+    # (the rows before it existed ran without it)
+    return ZenFlowOptimizer(params, lr=lr, weight_decay=0.01,
+                            **{"fresh_if_spread": False, **zenflow})
 
 
 def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,

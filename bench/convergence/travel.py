@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     params_z = [p for _, p in named_z]
     params_a = [named_a[n] for n, _ in named_z]
     opt_a = torch.optim.AdamW(params_a, lr=lr, weight_decay=0.01)
-    opt_z = ZenFlowOptimizer(named_z, lr=lr, weight_decay=0.01, **setting)
+    opt_z = ZenFlowOptimizer(named_z, lr=lr, weight_decay=0.01,
+                             **{"fresh_if_spread": False, **setting})
     cfg = opt_z.config
     n_win = cfg.update_interval
     delay = cfg.effective_apply_delay if cfg.overlap else 0  # overlap=False: in the step

@@ -41,7 +41,8 @@ def loss(factory, ts: TuneSettings, zenflow: dict | None) -> float:
             return torch.optim.AdamW(params, lr=ts.lr, betas=ts.betas, eps=ts.eps,
                                      weight_decay=ts.weight_decay)
         return ZenFlowOptimizer(params, lr=ts.lr, betas=ts.betas, eps=ts.eps,
-                                weight_decay=ts.weight_decay, **zenflow)
+                                weight_decay=ts.weight_decay,
+                                **{"fresh_if_spread": False, **zenflow})
     return train_and_measure(factory, make, ts).heldout_loss
 
 

@@ -50,7 +50,7 @@ class ReferenceZenFlow:
                  overlap, apply_delay=None, warmup_steps=0, min_offload_numel=1,
                  host_lr_scale="adaptive",
                  accumulate_on="device", accumulator_dtype="float32",
-                 host_state_dtype="float32", host_betas="step"):
+                 host_state_dtype="float32", host_betas="step", fresh_if_spread=True):
         self.groups = param_groups
         self.ratio = topk_ratio
         self.ui = update_interval
@@ -74,6 +74,13 @@ class ReferenceZenFlow:
         # "step": a host window decays the moments once by the betas, and "sh" counts the
         # windows; "window": by beta ** n for n gradients, and "sh" counts the gradients
         self.window_betas = host_betas == "window"
+        # fresh_if_spread: at the first selection, a gradient with under half its squared
+        # norm in the top 10% of each matrix's columns (element-weighted mean over the
+        # ranked matrices) switches the stale default to the window's betas and delay 1
+        self.may_freshen = (fresh_if_spread and host_betas == "step" and apply_delay is None
+                            and overlap and update_interval > 1)
+        self.spread_share = None
+        self._shares = []
         self.t = 0
         self.st = {}
         # Smallest relative gap between the last selected and the first unselected column
@@ -119,6 +126,9 @@ class ReferenceZenFlow:
         chosen = sorted(range(cols), key=lambda j: (-scores[j].item(), j))[:k]
         if 0 < k < cols:
             ranked = sorted(scores.tolist(), reverse=True)
+            if self.spread_share is None and sum(ranked) > 0:
+                k10 = min(cols, max(1, round(0.1 * cols)))
+                self._shares.append((p.numel(), sum(ranked[:k10]) / sum(ranked)))
             self.min_selection_gap = min(self.min_selection_gap,
                                          (ranked[k - 1] - ranked[k]) / ranked[k - 1])
         new = torch.zeros(cols, dtype=torch.bool)
@@ -159,6 +169,12 @@ class ReferenceZenFlow:
                 s = self.st[id(p)]
                 if "dev" in s and not s["selected"] and s["n"] == 0 and not s["pending"]:
                     self._select(p, g, grp)
+        if self._shares:
+            n = sum(w for w, _ in self._shares)
+            self.spread_share = sum(w * x for w, x in self._shares) / n
+            self._shares = []
+            if self.may_freshen and self.spread_share < 0.5:
+                self.window_betas, self.delay = True, 1
         for grp, p, g in live:
             s = self.st[id(p)]
             b1, b2 = grp["betas"]

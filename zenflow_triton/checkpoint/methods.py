@@ -10,6 +10,7 @@ import warnings
 from typing import Any
 
 from ..dist.fsdp import local_view, refuse
+from ..columns.spread import NOT_SAVED
 from .state_dict import (SD_VERSION, adamw_state_dict, build, config_change, read,
                          refuse_open_windows)
 
@@ -62,7 +63,8 @@ class StateDictMethods:
         sd = build(self.param_groups, self.state, self._params(), self._shard, gather=gather,
                    meta={"version": SD_VERSION, "global_step": self._global_step,
                          "last_step_hyper": self._last_hyper,
-                         "config": self.config.to_dict(), "backend": self._backend},
+                         "config": self.config.to_dict(), "backend": self._backend,
+                         "spread": self._spread.state()},
                    fsdp=self._fsdp, config=self.config)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)
@@ -98,6 +100,9 @@ class StateDictMethods:
                       self._param_name, self._kind,
                       lambda p, saved: local_view(p, saved, self._shard))
         self._check_hyper(loaded.groups, "state_dict param group")
+        # the run's spread measurement and the schedule it chose (columns.spread)
+        self.config = self._spread.restore(None if loaded.adamw
+                                           else loaded.meta.get("spread", NOT_SAVED))
         changed = None if loaded.adamw else config_change(loaded.meta.get("config"),
                                                            self.config)
         if changed:

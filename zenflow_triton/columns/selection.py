@@ -44,7 +44,7 @@ class Move:
 def plan_selection(items, state: dict, ops: KernelOps, link: Link,
                    cfg: ZenFlowConfig, shard=None,
                    also: dict[torch.device, torch.Tensor] | None = None,
-                   scores: dict | None = None):
+                   scores: dict | None = None, measure=None):
     """A :class:`Move` per ``(group, param, grad)`` of ``items``: the top ``k`` columns by
     this gradient's scores, scored and picked on each param's device, the picks brought to
     the host in one copy per device (a few host syncs whatever the number of params).
@@ -53,6 +53,8 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
 
     ``scores``: param -> its column scores made already (gradient streaming adds them up
     during backward; its entries of ``items`` carry no gradient), instead of scoring ``g``.
+
+    ``measure``: called with each ranked param and its (summed) scores (``columns.spread``).
 
     ``also``: per device, a 1-D tensor that must come to the host too (the NaN/inf flags of
     the step): it rides in the same copy as that device's picks (its own copy on a device
@@ -75,6 +77,8 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
     if shard is not None:
         summed = shard.sum_rows(summed, "an all-reduce of the column scores")
     for (p, k, beta1, beta2, _), s in zip(ranked, summed):
+        if measure is not None:
+            measure(p, s)
         picks.setdefault(p.device, []).append((p, select_columns(s, k), beta1, beta2))
     riders = dict(also or {})
     brought = {}

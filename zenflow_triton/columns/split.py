@@ -7,14 +7,18 @@ from __future__ import annotations
 
 from ..config import ZenFlowConfig
 from ..state import MATRIX
+from .layout import view2d
 from .migration import migrate_many
 from .selection import Move, plan_selection
 
 
 class ColumnSplit:
-    def __init__(self, ops, link, config: ZenFlowConfig, shard, device_half) -> None:
+    def __init__(self, ops, link, config: ZenFlowConfig, shard, device_half,
+                 spread=None) -> None:
         self.ops, self.link, self.config, self.shard = ops, link, config, shard
         self.device_half = device_half
+        self.spread = spread
+        """A ``columns.spread.Spread``: while it is pending, each plan's scores go to it."""
 
     def plan(self, work, states, finite=None, check_step: int | None = None,
              scores: dict | None = None) -> list[Move]:
@@ -24,11 +28,31 @@ class ColumnSplit:
         ``scores``: param -> column scores made already (gradient streaming)."""
         matrices = [w for w in work if states[w[1]]["kind"] == MATRIX]
         flags = {} if check_step is None else finite.flags(work)
+        measure = None
+        if self.spread is not None and self.spread.pending:
+            self.spread.begin()  # an earlier plan of a step that then failed counts no more
+            measure = self.spread.measure
+            self._measure_whole(work, states)
         moves, reads = plan_selection(matrices, states, self.ops, self.link, self.config,
-                                      self.shard, also=flags, scores=scores)
+                                      self.shard, also=flags, scores=scores, measure=measure)
         if check_step is not None:
             finite.judge(work, check_step, reads)
         return moves
+
+    def _measure_whole(self, work, states) -> None:
+        """The spread measure counts every matrix of the model, as ``zenflow-tune diagnose``
+        does: also those kept whole on the device (the dense set: embeddings, LM head),
+        scored here once, summed over the ranks where they are split by rows."""
+        whole = [(p, g) for _, p, g in work if g is not None and states[p]["kind"] != MATRIX
+                 and p.dim() >= 2 and self.spread.numel_of(p) >= self.config.min_offload_numel]
+        if not whole:
+            return
+        scores = [self.ops.column_scores(view2d(g, like=p), self.config.score)
+                  for p, g in whole]
+        if self.shard is not None:
+            scores = self.shard.sum_rows(scores, "an all-reduce of the whole matrices' scores")
+        for (p, _), s in zip(whole, scores):
+            self.spread.measure(p, s)
 
     def migrate(self, moves: list[Move]) -> int:
         """Carry out ``moves``; returns how many columns changed owner."""

@@ -1,0 +1,177 @@
+"""Is the gradient spread over the columns? Measured once, at a run's first selection, from
+the same column scores the selection ranks (``plan_selection`` hands each matrix's scores to
+:meth:`Spread.measure`), and acted on by ``ZenFlowConfig.fresh_if_spread``.
+
+The number: for each matrix of the model (every param of 2 or more dims and at least
+``min_offload_numel`` elements: the split ones and those the dense set keeps whole, as
+``zenflow-tune diagnose`` counts them), the share of its column scores (the sum of g² per
+column under the default ``score="l2"``) in its top :data:`SPREAD_TOPK` of columns, whatever
+the run's own ``topk_ratio``; the element-weighted mean over the matrices. On the
+convergence study's first step the LMs give 0.57-0.64, and the default schedule stays within
+0.003 nats of AdamW there; the encoder classifiers give 0.27-0.44 (MiniLM-L6, its 3-layer
+cut, the 12-layer all-mpnet-base-v2), and there it lagged AdamW
+by up to 0.034 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
+stayed within about 0.011 nats (docs/quality.md, "Spread gradients"). Below
+:data:`SPREAD_SHARE` the run is "spread". It is a correlate measured on two model families,
+not the mechanism: the embeddings, the largest matrices, carry most of the difference (the
+split matrices alone give 0.46-0.57 against 0.55-0.59: bench/convergence/energy.py).
+
+What it costs, once per run: the column scores of the whole matrices (the split ones are
+scored for the selection anyway), the top-k of each matrix's scores and two sums, on the
+scores' device, and one copy of two numbers per matrix to the host. Every rank of a data-parallel
+run measures the same scores (DDP averages the gradients; FSDP2's ranks sum theirs before
+the selection), weights each matrix by its whole size, and so decides alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..config import ZenFlowConfig
+from .selection import num_selected
+
+SPREAD_TOPK = 0.1
+"""The share of each matrix's columns whose score share is measured (the study's 10%)."""
+SPREAD_SHARE = 0.5
+"""Below this share of the squared gradient in the top 10% of columns, a run is spread."""
+
+log = logging.getLogger("zenflow_triton")
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first frame outside this library and torch (the user's
+    ``opt.step()`` line, whatever wrappers torch puts around ``step``)."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+            "zenflow_triton", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+NOT_SAVED = object()
+"""What :meth:`Spread.restore` gets for a state dict without a ``spread`` entry."""
+
+
+class Spread:
+    """The first selection's measurement, the choice made from it, and what a checkpoint
+    carries of both (:meth:`state` / :meth:`restore`)."""
+
+    def __init__(self, link, numel_of: Callable[[torch.Tensor], int],
+                 config: ZenFlowConfig) -> None:
+        self.link = link
+        self.numel_of = numel_of
+        self.base = config
+        """The constructor's config (what :meth:`restore` starts from)."""
+        self.share: float | None = None
+        """The measured share (None before the first selection, or with nothing to rank)."""
+        self.fresh: bool = False
+        """Whether ``fresh_if_spread`` switched this run to the fresh schedule."""
+        self.settled = False
+        """Measured, or resumed from a state dict written before this measure existed."""
+        self._parts: list[tuple[int, torch.Tensor]] = []
+
+    @property
+    def pending(self) -> bool:
+        """Nothing measured yet: the next selection's scores are wanted."""
+        return not self.settled
+
+    def begin(self) -> None:
+        """A plan starts: what an earlier one kept is dropped."""
+        self._parts = []
+
+    def measure(self, p: torch.Tensor, scores: torch.Tensor) -> None:
+        """One matrix's column scores (summed over the ranks where they are split): its top
+        10% share, kept on the scores' device until :meth:`settle`."""
+        k = num_selected(scores.numel(), SPREAD_TOPK)
+        if k == 0:
+            return
+        s = scores.float()
+        self._parts.append((self.numel_of(p), torch.stack([torch.topk(s, k).values.sum(),
+                                                           s.sum()])))
+
+    def settle(self, config: ZenFlowConfig) -> ZenFlowConfig:
+        """After the first selection: the share from what :meth:`measure` kept (one copy to
+        the host per device), and the config the run trains with from now on: the fresh
+        schedule where the gradient is spread, ``fresh_if_spread`` is on and the config is
+        the stale default; else ``config``. A spread gradient under a stale schedule that
+        stays is warned about, once."""
+        parts, self._parts = self._parts, []
+        if not self.pending or not parts:
+            return config
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for n, pair in parts:
+            by_device.setdefault(pair.device, []).append((n, pair))
+        weight = total = 0.0
+        for items in by_device.values():
+            values = self.link.to_host(torch.stack([pair for _, pair in items])).numpy()
+            for (n, _), (top, whole) in zip(items, values.astype(np.float64)):
+                if whole > 0 and np.isfinite(whole):
+                    weight += n
+                    total += n * top / whole
+        if weight == 0:  # every gradient zero: nothing to go by, ask again next selection
+            return config
+        self.share = float(total / weight)
+        self.settled = True
+        return self.choose(config)
+
+    def choose(self, config: ZenFlowConfig) -> ZenFlowConfig:
+        """The config for the measured :attr:`share` (see :meth:`settle`)."""
+        if self.share >= SPREAD_SHARE or not config.stale_default:
+            return config
+        if config.fresh_if_spread and config.apply_delay is None:
+            self.fresh = True
+            log.info("zenflow_triton: the gradient is spread (%.2f of it in the top 10%% of "
+                     "columns, under %.1f): training with host_betas='window', "
+                     "apply_delay=1 (fresh_if_spread)", self.share, SPREAD_SHARE)
+            return dataclasses.replace(config, host_betas="window", apply_delay=1)
+        warnings.warn(
+            f"ZenFlowOptimizer: the gradient is spread ({self.share:.2f} of its squared norm in "
+            f"the top 10% of each matrix's columns, under {SPREAD_SHARE}); on such fine-tunes "
+            f"host_betas='step' with apply_delay={config.effective_apply_delay} ended up to "
+            "0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, 'Spread "
+            "gradients'). For AdamW's quality pass host_betas='window', apply_delay=1 (more "
+            "step time where the host is what a step waits for), or leave apply_delay unset "
+            "with fresh_if_spread=True; `zenflow-tune diagnose` measures it per layer",
+            UserWarning, stacklevel=_outside())
+        return config
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """For a state dict: one structure whether measured or not (DCP loads into the state
+        dict of a fresh optimizer, keys for keys)."""
+        return {"settled": self.settled,
+                "share": float("nan") if self.share is None else self.share,
+                "fresh": self.fresh}
+
+    def restore(self, saved: Any) -> ZenFlowConfig:
+        """A checkpoint's measurement and the config it implies for the constructor's,
+        without a second warning. Not settled (or None): measure at the next selection;
+        :data:`NOT_SAVED`: a state dict written before this measure existed, whose run goes
+        on with the schedule as configured, unmeasured (and says so when saved again)."""
+        config = self.base
+        self._parts = []
+        self.fresh = False
+        self.share = None
+        self.settled = saved is NOT_SAVED
+        if not isinstance(saved, dict) or not saved.get("settled"):
+            return config
+        self.settled = True
+        share = float(saved.get("share", float("nan")))
+        self.share = share if share == share else None
+        if saved.get("fresh") and config.fresh_if_spread and config.stale_default \
+                and config.apply_delay is None:
+            self.fresh = True
+            return dataclasses.replace(config, host_betas="window", apply_delay=1)
+        return config
+
+    def stats(self) -> dict[str, Any]:
+        return {"share": self.share, "spread": None if self.share is None
+                else self.share < SPREAD_SHARE, "fresh": self.fresh}
