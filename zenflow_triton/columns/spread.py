@@ -135,9 +135,11 @@ class Spread:
         warnings.warn(
             f"ZenFlowOptimizer: the gradient is spread ({self.share:.2f} of its squared norm in "
             f"the top 10% of each matrix's columns, under {SPREAD_SHARE}); on such fine-tunes "
-            f"host_betas='step' with apply_delay={config.effective_apply_delay} ended up to "
-            "0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, 'Spread "
-            "gradients'). For AdamW's quality pass host_betas='window', apply_delay=1 (more "
+            "the default schedule (host_betas='step', each window's result applied a window "
+            "late) ended up to 0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
+            "'Spread gradients'), and this run keeps host_betas='step' with "
+            f"apply_delay={config.effective_apply_delay}. For AdamW's quality pass "
+            "host_betas='window', apply_delay=1 (more "
             "step time where the host is what a step waits for), or leave apply_delay unset "
             "with fresh_if_spread=True; `zenflow-tune diagnose` measures it per layer",
             UserWarning, stacklevel=_outside())
