@@ -202,3 +202,26 @@ def test_the_rule_flags_every_study_workload_where_the_default_schedule_loses():
                 flagged.append(key)
     assert losers, "the store has no workload where the defaults lose: the check is empty"
     assert flagged == losers, f"not flagged: {sorted(set(losers) - set(flagged))}"
+
+
+def test_streamed_gradients_and_the_dense_set_are_measured_alike():
+    """With ``stream_grads`` the split matrices' scores come from the backward hooks and the
+    dense set's from its gradients: the same share as without streaming, the same choice."""
+    def share(dense=("0.*",), **cfg):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(100, 48), torch.nn.Linear(48, 48),
+                                    torch.nn.Linear(48, 100))
+        opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, min_offload_numel=64,
+                               dense_params=dense, **cfg)
+        x = torch.randint(0, 100, (8, 5), generator=torch.Generator().manual_seed(1))
+        model(x).logsumexp(-1).mean().backward()
+        opt.step()
+        st = opt.stats()["spread"]
+        opt.close()
+        return st
+
+    plain, streamed = share(), share(stream_grads=True, max_grad_norm=1e9)
+    assert plain["share"] is not None and plain["fresh"] == streamed["fresh"]
+    assert streamed["share"] == pytest.approx(plain["share"], rel=1e-5)
+    split = share(dense=())  # the embedding split and ranked: the same matrix, measured alike
+    assert split["share"] == pytest.approx(plain["share"], rel=1e-5)
