@@ -153,13 +153,14 @@ class ZenFlowConfig:
 
     fresh_if_spread: bool = True
     """Measured once, at the first selection: the share of the gradient's squared norm in
-    the top 10% of each split matrix's columns (element-weighted mean; ``columns.spread``).
+    the top 10% of the columns of every matrix of the model, split or kept whole by the
+    dense set (element-weighted mean, ``zenflow-tune diagnose``'s number; ``columns.spread``).
     Below 0.5 the gradient is spread (the encoder fine-tunes where the stale default ended up
-    to 0.034 nats and 2.6 accuracy points behind AdamW; docs/quality.md, "Spread gradients"),
+    to 0.035 nats and 2.6 accuracy points behind AdamW; docs/quality.md, "Spread gradients"),
     and True then trains with ``host_betas="window"`` and ``apply_delay=1``, fresher host
     columns for more step time, where the config is that default (``host_betas="step"``,
     ``apply_delay`` None, ``overlap``, ``update_interval`` > 1); a concentrated gradient
-    (the LMs: 0.58-0.63) keeps it. False: the config as given. Either way a spread gradient
+    (the LMs: 0.57-0.64) keeps it. False: the config as given. Either way a spread gradient
     under a stale config is warned about once. ``stats()["spread"]`` says what was measured
     and chosen; a checkpoint carries the choice."""
 

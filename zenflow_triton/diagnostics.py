@@ -32,6 +32,7 @@ import torch
 
 from .config import DEFAULT_MIN_OFFLOAD_NUMEL
 from .columns.selection import num_selected, select_columns
+from .columns.spread import SPREAD_SHARE
 from .kernels import TORCH_OPS
 from .columns.layout import view2d
 
@@ -182,8 +183,6 @@ def verdict(s: dict) -> str:
     """One line from a :meth:`GradientDiagnostics.summary`: does the model suit ZenFlow, and
     which settings to train it with (thresholds: :data:`VERDICT_TOPK`, and
     ``columns.spread.SPREAD_SHARE``, the same line ``fresh_if_spread`` draws)."""
-    from .columns.spread import SPREAD_SHARE
-
     o = s["overall"]
     share, overlap = o["energy_share"], o["overlap_prev"]
     if abs(s["topk_ratio"] - VERDICT_TOPK) > 1e-9:
@@ -198,7 +197,7 @@ def verdict(s: dict) -> str:
     fresh = ("host_betas='window' with apply_delay=1 (what the defaults switch to on a spread "
              "gradient, fresh_if_spread; within about 0.01 nats of AdamW on the study's spread "
              "workloads, for delay 1's step time): keep it, and do not train this model with a "
-             "profile's or config's host_betas='step' with a longer apply delay (up to 0.034 "
+             "profile's or config's host_betas='step' with a longer apply delay (up to 0.035 "
              "nats and 2.6 points behind AdamW there; docs/quality.md, 'Spread gradients')")
     if share >= 0.3:
         return (f"verdict: spread, suits ZenFlow with care ({share:.2f} of the energy in the top "

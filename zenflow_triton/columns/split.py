@@ -6,7 +6,7 @@ indices that the migration uploaded)."""
 from __future__ import annotations
 
 from ..config import ZenFlowConfig
-from ..state import MATRIX
+from ..state import MATRIX, classify
 from .layout import view2d
 from .migration import migrate_many
 from .selection import Move, plan_selection
@@ -43,8 +43,9 @@ class ColumnSplit:
         """The spread measure counts every matrix of the model, as ``zenflow-tune diagnose``
         does: also those kept whole on the device (the dense set: embeddings, LM head),
         scored here once, summed over the ranks where they are split by rows."""
+        # kept whole only by name: a matrix by the shape rule (state.classify without it)
         whole = [(p, g) for _, p, g in work if g is not None and states[p]["kind"] != MATRIX
-                 and p.dim() >= 2 and self.spread.numel_of(p) >= self.config.min_offload_numel]
+                 and classify(self.spread.owner_of(p), self.config) == MATRIX]
         if not whole:
             return
         scores = [self.ops.column_scores(view2d(g, like=p), self.config.score)

@@ -10,7 +10,7 @@ the run's own ``topk_ratio``; the element-weighted mean over the matrices. On th
 convergence study's first step the LMs give 0.57-0.64, and the default schedule stays within
 0.003 nats of AdamW there; the encoder classifiers give 0.27-0.44 (MiniLM-L6, its 3-layer
 cut, the 12-layer all-mpnet-base-v2), and there it lagged AdamW
-by up to 0.034 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
+by up to 0.035 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
 stayed within about 0.011 nats (docs/quality.md, "Spread gradients"). Below
 :data:`SPREAD_SHARE` the run is "spread". It is a correlate measured on two model families,
 not the mechanism: the embeddings, the largest matrices, carry most of the difference (the
@@ -56,6 +56,14 @@ def _outside() -> int:
     return level
 
 
+def _freshened(config: ZenFlowConfig) -> ZenFlowConfig | None:
+    """The fresh schedule where ``fresh_if_spread`` may switch ``config`` to it (the stale
+    default, ``apply_delay`` not given), else None."""
+    if config.fresh_if_spread and config.stale_default and config.apply_delay is None:
+        return dataclasses.replace(config, host_betas="window", apply_delay=1)
+    return None
+
+
 NOT_SAVED = object()
 """What :meth:`Spread.restore` gets for a state dict without a ``spread`` entry."""
 
@@ -64,10 +72,11 @@ class Spread:
     """The first selection's measurement, the choice made from it, and what a checkpoint
     carries of both (:meth:`state` / :meth:`restore`)."""
 
-    def __init__(self, link, numel_of: Callable[[torch.Tensor], int],
+    def __init__(self, link, owner_of: Callable[[torch.Tensor], torch.Tensor],
                  config: ZenFlowConfig) -> None:
         self.link = link
-        self.numel_of = numel_of
+        self.owner_of = owner_of
+        """The whole param of a local tensor (FSDP2), whose size weighs it."""
         self.base = config
         """The constructor's config (what :meth:`restore` starts from)."""
         self.share: float | None = None
@@ -94,7 +103,7 @@ class Spread:
         if k == 0:
             return
         s = scores.float()
-        self._parts.append((self.numel_of(p), torch.stack([torch.topk(s, k).values.sum(),
+        self._parts.append((self.owner_of(p).numel(), torch.stack([torch.topk(s, k).values.sum(),
                                                            s.sum()])))
 
     def settle(self, config: ZenFlowConfig) -> ZenFlowConfig:
@@ -126,17 +135,18 @@ class Spread:
         """The config for the measured :attr:`share` (see :meth:`settle`)."""
         if self.share >= SPREAD_SHARE or not config.stale_default:
             return config
-        if config.fresh_if_spread and config.apply_delay is None:
+        fresh = _freshened(config)
+        if fresh is not None:
             self.fresh = True
             log.info("zenflow_triton: the gradient is spread (%.2f of it in the top 10%% of "
                      "columns, under %.1f): training with host_betas='window', "
                      "apply_delay=1 (fresh_if_spread)", self.share, SPREAD_SHARE)
-            return dataclasses.replace(config, host_betas="window", apply_delay=1)
+            return fresh
         warnings.warn(
             f"ZenFlowOptimizer: the gradient is spread ({self.share:.2f} of its squared norm in "
             f"the top 10% of each matrix's columns, under {SPREAD_SHARE}); on such fine-tunes "
             "the default schedule (host_betas='step', each window's result applied a window "
-            "late) ended up to 0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
+            "late) ended up to 0.035 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
             "'Spread gradients'), and this run keeps host_betas='step' with "
             f"apply_delay={config.effective_apply_delay}. For AdamW's quality pass "
             "host_betas='window', apply_delay=1 (more "
@@ -168,11 +178,9 @@ class Spread:
         self.settled = True
         share = float(saved.get("share", float("nan")))
         self.share = share if share == share else None
-        if saved.get("fresh") and config.fresh_if_spread and config.stale_default \
-                and config.apply_delay is None:
-            self.fresh = True
-            return dataclasses.replace(config, host_betas="window", apply_delay=1)
-        return config
+        fresh = _freshened(config) if saved.get("fresh") else None
+        self.fresh = fresh is not None
+        return config if fresh is None else fresh
 
     def stats(self) -> dict[str, Any]:
         return {"share": self.share, "spread": None if self.share is None
