@@ -138,7 +138,7 @@ class Spread:
         fresh = _freshened(config)
         if fresh is not None:
             self.fresh = True
-            log.info("zenflow_triton: the gradient is spread (%.2f of it in the top 10%% of "
+            log.info("the gradient is spread (%.2f of it in the top 10%% of "
                      "columns, under %.1f): training with host_betas='window', "
                      "apply_delay=1 (fresh_if_spread)", self.share, SPREAD_SHARE)
             return fresh
