@@ -44,6 +44,7 @@ CORE = ("smollm2", "smollm2-bbc", "minilm", "minilm-rt", "minilm-tweets")
 DESCRIBE = {
     "smollm2": ("SmolLM2-135M-Instruct", "lm", "causal LM on Python's docs (pydoc_data)"),
     "smollm2-bbc": ("SmolLM2-135M-Instruct", "lm", "causal LM on BBC News articles"),
+    "gemma3": ("Gemma 3 270M", "lm", "causal LM on Python's docs (pydoc_data)"),
     "minilm": ("all-MiniLM-L6-v2", "classification", "BBC News topics, 5 classes"),
     "minilm-rt": ("all-MiniLM-L6-v2", "classification", "Rotten Tomatoes sentiment, 2 classes"),
     "minilm-tweets": ("all-MiniLM-L6-v2", "classification",

@@ -43,6 +43,9 @@ WORKLOADS = {  # name: (lr, steps, eval_every, builder options[, run options])
     "smollm2": (2e-5, 200, 50, dict(seq_len=64, batch_size=4, heldout_batches=8)),
     # a second text for SmolLM2 (news prose instead of Python's docs); not in the default list
     "smollm2-bbc": (2e-5, 200, 50, dict(seq_len=64, batch_size=4, heldout_batches=8)),
+    # issue 50: a decoder of another family (Gemma 3 270M), SmolLM2's recipe; not in the
+    # default list
+    "gemma3": (2e-5, 200, 50, dict(seq_len=64, batch_size=4, heldout_batches=8)),
     "minilm": (5e-5, 200, 25, dict(seq_len=64, batch_size=16)),
     # a second labelled set for MiniLM (sentiment of critics' snippets); not in the default list
     "minilm-rt": (5e-5, 200, 25, dict(seq_len=64, batch_size=16)),
