@@ -225,3 +225,9 @@ def test_streamed_gradients_and_the_dense_set_are_measured_alike():
     assert streamed["share"] == pytest.approx(plain["share"], rel=1e-5)
     split = share(dense=())  # the embedding split and ranked: the same matrix, measured alike
     assert split["share"] == pytest.approx(plain["share"], rel=1e-5)
+    # the measure does not depend on the run's topk_ratio: with every column on the host (0)
+    # or on the device (1) nothing is ranked, and the split matrices are measured all the same
+    for ratio in (0.0, 1.0):
+        for cfg in ({}, {"stream_grads": True, "max_grad_norm": 1e9}):
+            alike = share(topk_ratio=ratio, **cfg)
+            assert alike["share"] == pytest.approx(plain["share"], rel=1e-5), (ratio, cfg)

@@ -54,7 +54,8 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
     ``scores``: param -> its column scores made already (gradient streaming adds them up
     during backward; its entries of ``items`` carry no gradient), instead of scoring ``g``.
 
-    ``measure``: called with each ranked param and its (summed) scores (``columns.spread``).
+    ``measure``: called with each param's (summed) scores (``columns.spread``); a param with
+    nothing to rank (``k`` 0 or all its columns) is then scored for it alone.
 
     ``also``: per device, a 1-D tensor that must come to the host too (the NaN/inf flags of
     the step): it rides in the same copy as that device's picks (its own copy on a device
@@ -67,10 +68,12 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
         cols = shape2d(p)[1]
         k = num_selected(cols, cfg.topk_ratio)
         beta1, beta2 = group["betas"]
-        if k in (0, cols):  # nothing to rank
-            moves.append(Move(p, state[p], np.arange(k, dtype=np.int64), beta1, beta2))
-            continue
         made = scores.get(p) if scores else None
+        if k in (0, cols):  # nothing to rank: all columns on one side
+            moves.append(Move(p, state[p], np.arange(k, dtype=np.int64), beta1, beta2))
+            if measure is None or (made is None and g is None):
+                continue
+            k = None  # scored for ``measure`` alone, whatever the run's topk_ratio
         ranked.append((p, k, beta1, beta2, made if made is not None
                        else ops.column_scores(view2d(g, like=p), cfg.score)))
     summed = [r[-1] for r in ranked]
@@ -79,7 +82,8 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
     for (p, k, beta1, beta2, _), s in zip(ranked, summed):
         if measure is not None:
             measure(p, s)
-        picks.setdefault(p.device, []).append((p, select_columns(s, k), beta1, beta2))
+        if k is not None:
+            picks.setdefault(p.device, []).append((p, select_columns(s, k), beta1, beta2))
     riders = dict(also or {})
     brought = {}
     for device, device_picks in picks.items():
