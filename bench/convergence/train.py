@@ -88,6 +88,16 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-lean-0.01x8-window-delay1": dict(
         host_lr_scale="adaptive", accumulate_on="host", accumulator_dtype="bfloat16",
         topk_ratio=0.01, update_interval=8, host_betas="window", apply_delay=1, **_SPLIT),
+    # the fresh pair with a window of 2: half the staleness, for the rows the pair misses by
+    # a hair (issue 50)
+    "zenflow-adaptive-dense-x2-window-delay1": dict(host_lr_scale="adaptive", update_interval=2,
+                                                    host_betas="window", apply_delay=1),
+    # torch's AdamW with fused=True: AdamW's arithmetic through another kernel (its results
+    # differ from the for-loop's in the last bits). Its gap to "adamw" on the same seed is the
+    # noise floor of a paired comparison, fp32 rounding amplified by training; not a ZenFlow
+    # setting (the quality store leaves it out). ZenFlow's own topk_ratio=1 is no such floor:
+    # on CPU it is AdamW bit for bit.
+    "adamw-fused": dict(torch_adamw="fused"),
     # the library's defaults since fresh_if_spread (issue 50): the schedule of
     # zenflow-adaptive-dense, switched to zenflow-adaptive-dense-window-delay1's where the
     # first selection measures a spread gradient
@@ -96,9 +106,15 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 
 
+def _torch(zenflow: dict[str, Any] | None) -> bool:
+    """The setting is torch's AdamW (``None``, or ``adamw-fused``'s marker)."""
+    return zenflow is None or "torch_adamw" in zenflow
+
+
 def make_optimizer(params, lr: float, zenflow: dict[str, Any] | None):
-    if zenflow is None:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if _torch(zenflow):
+        fused = zenflow is not None and zenflow["torch_adamw"] == "fused"
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=fused or None)
     # every named setting is the schedule as written: fresh_if_spread only where it says so
     # (the rows before it existed ran without it)
     return ZenFlowOptimizer(params, lr=lr, weight_decay=0.01,
@@ -118,7 +134,7 @@ def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
     warm = max(1, int(0.1 * steps))
     if zenflow is not None and zenflow.get("warmup_steps") == WARMUP_AS_LR:
         zenflow = dict(zenflow, warmup_steps=warm)
-    opt = make_optimizer(params if zenflow is None else named, lr, zenflow)
+    opt = make_optimizer(params if _torch(zenflow) else named, lr, zenflow)
     if schedule not in ("constant", "linear"):
         raise ValueError(f"schedule must be 'constant' or 'linear', got {schedule!r}")
 
