@@ -167,9 +167,9 @@ def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
             continue
         floor = _paired(rs, "adamw-fused", ref)
 
-        def gap(g: dict) -> str:
-            return f"{g['loss']:+.4f}" + ("" if g["accuracy"] is None
-                                          else f", {g['accuracy']:+.1f} pts")
+        def gap(g: dict) -> str:  # (+ 0.0: no "-0.0000" for a gap that rounds to zero)
+            return f"{round(g['loss'], 4) + 0.0:+.4f}" + (
+                "" if g["accuracy"] is None else f", {round(g['accuracy'], 1) + 0.0:+.1f} pts")
 
         lm = got["accuracy"] is None
         misses = []
