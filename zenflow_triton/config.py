@@ -156,7 +156,7 @@ class ZenFlowConfig:
     the top 10% of the columns of every matrix of the model, split or kept whole by the
     dense set (element-weighted mean, ``zenflow-tune diagnose``'s number; ``columns.spread``).
     Below 0.5 the gradient is spread (the encoder fine-tunes where the stale default ended up
-    to 0.035 nats and 2.6 accuracy points behind AdamW; docs/quality.md, "Spread gradients"),
+    to 0.034 nats and 2.6 accuracy points behind AdamW; docs/quality.md, "Spread gradients"),
     and True then trains with ``host_betas="window"`` and ``apply_delay=1``, fresher host
     columns for more step time, where the config is that default (``host_betas="step"``,
     ``apply_delay`` None, ``overlap``, ``update_interval`` > 1); a concentrated gradient

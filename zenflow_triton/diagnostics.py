@@ -197,7 +197,7 @@ def verdict(s: dict) -> str:
     fresh = ("host_betas='window' with apply_delay=1 (what the defaults switch to on a spread "
              "gradient, fresh_if_spread; within about 0.01 nats of AdamW on the study's spread "
              "workloads, for delay 1's step time): keep it, and do not train this model with a "
-             "profile's or config's host_betas='step' with a longer apply delay (up to 0.035 "
+             "profile's or config's host_betas='step' with a longer apply delay (up to 0.034 "
              "nats and 2.6 points behind AdamW there; docs/quality.md, 'Spread gradients')")
     if share >= 0.3:
         return (f"verdict: spread, suits ZenFlow with care ({share:.2f} of the energy in the top "

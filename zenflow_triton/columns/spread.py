@@ -7,14 +7,15 @@ The number: for each matrix of the model (every param of 2 or more dims and at l
 ``zenflow-tune diagnose`` counts them), the share of its column scores (the sum of g² per
 column under the default ``score="l2"``) in its top :data:`SPREAD_TOPK` of columns, whatever
 the run's own ``topk_ratio``; the element-weighted mean over the matrices. On the
-convergence study's first step the LMs give 0.57-0.64, and the default schedule stays within
-0.003 nats of AdamW there; the encoder classifiers give 0.27-0.44 (MiniLM-L6, its 3-layer
+convergence study's first step the LMs (SmolLM2-135M, Gemma 3 270M) give 0.57-0.64, and the
+default schedule stays within 0.003 nats of AdamW on SmolLM2; the encoder classifiers give 0.27-0.44 (MiniLM-L6, its 3-layer
 cut, the 12-layer all-mpnet-base-v2), and there it lagged AdamW
-by up to 0.035 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
+by up to 0.034 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
 stayed within about 0.011 nats (docs/quality.md, "Spread gradients"). Below
-:data:`SPREAD_SHARE` the run is "spread". It is a correlate measured on two model families,
-not the mechanism: the embeddings, the largest matrices, carry most of the difference (the
-split matrices alone give 0.46-0.57 against 0.55-0.59: bench/convergence/energy.py).
+:data:`SPREAD_SHARE` the run is "spread". It is a correlate measured on four models (two
+encoder and two decoder families), not the mechanism: the embeddings, the largest
+matrices, carry most of the difference (the split matrices alone give 0.46-0.57 against
+SmolLM2's 0.55-0.59: bench/convergence/energy.py).
 
 What it costs, once per run: the column scores of the whole matrices (the split ones are
 scored for the selection anyway), the top-k of each matrix's scores and two sums, on the
@@ -146,7 +147,7 @@ class Spread:
             f"ZenFlowOptimizer: the gradient is spread ({self.share:.2f} of its squared norm in "
             f"the top 10% of each matrix's columns, under {SPREAD_SHARE}); on such fine-tunes "
             "the default schedule (host_betas='step', each window's result applied a window "
-            "late) ended up to 0.035 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
+            "late) ended up to 0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
             "'Spread gradients'), and this run keeps host_betas='step' with "
             f"apply_delay={config.effective_apply_delay}. For AdamW's quality pass "
             "host_betas='window', apply_delay=1 (more "
