@@ -412,12 +412,33 @@ def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int =
     else:
         text = _bbcnews_text()[:200_000]
     ids = torch.tensor(tok(text)["input_ids"])
+    batches, heldout, loss_fn = causal_lm_windows(ids, seed=seed, seq_len=seq_len,
+                                                  batch_size=batch_size,
+                                                  heldout_batches=heldout_batches,
+                                                  device=device)
+    return Workload(model=model, batches=batches, loss_fn=loss_fn, heldout=heldout,
+                    items_per_batch=batch_size * seq_len, unit="tokens", name="smollm2")
+
+
+def causal_lm_windows(ids: torch.Tensor, *, seed: int, seq_len: int, batch_size: int,
+                      heldout_batches: int, device: torch.device | str = "cpu",
+                      bos: int | None = None):
+    """A causal-LM fine-tune of a tokenized text: the first 90% to train on, the rest held out;
+    batches of ``batch_size`` windows of ``seq_len`` next-token targets at random offsets (a
+    generator seeded by ``seed``; the held-out windows by a fixed one). With ``bos``, each
+    window starts with that token (models that need it, e.g. Gemma). Returns an infinite
+    iterator of training batches, the held-out batches, and the loss of a batch."""
     split = int(0.9 * ids.numel())
     train, held = ids[:split], ids[split:]
 
     def take(src: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        off = torch.randint(0, src.numel() - seq_len - 1, (batch_size,), generator=g)
-        w = src[off[:, None] + torch.arange(seq_len + 1)]
+        if bos is None:
+            off = torch.randint(0, src.numel() - seq_len - 1, (batch_size,), generator=g)
+            w = src[off[:, None] + torch.arange(seq_len + 1)]
+        else:
+            off = torch.randint(0, src.numel() - seq_len, (batch_size,), generator=g)
+            w = torch.cat([torch.full((batch_size, 1), bos),
+                           src[off[:, None] + torch.arange(seq_len)]], dim=1)
         return w[:, :-1].to(device), w[:, 1:].to(device)
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -433,8 +454,7 @@ def smollm2(seed: int = 0, device: torch.device | str = "cpu", *, seq_len: int =
         logits = m(input_ids=x).logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    return Workload(model=model, batches=batches(), loss_fn=loss_fn, heldout=heldout,
-                    items_per_batch=batch_size * seq_len, unit="tokens", name="smollm2")
+    return batches(), heldout, loss_fn
 
 
 # ---- loading ------------------------------------------------------------------------------

@@ -119,31 +119,14 @@ def gemma3(seed: int, *, seq_len: int = 64, batch_size: int = 4,
     import pydoc_data.topics as topics
 
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:200_000]
+    from autotune.training import causal_lm_windows
+
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
-    split = int(0.9 * ids.numel())
-    train, held = ids[:split], ids[split:]
-    bos = tok.bos_token_id
-
-    def take(src: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        off = torch.randint(0, src.numel() - seq_len, (batch_size,), generator=g)
-        w = src[off[:, None] + torch.arange(seq_len)]
-        w = torch.cat([torch.full((batch_size, 1), bos), w], dim=1)
-        return w[:, :-1], w[:, 1:]
-
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        g = torch.Generator().manual_seed(seed)
-        while True:
-            yield take(train, g)
-
-    hg = torch.Generator().manual_seed(1234)
-    heldout = [take(held, hg) for _ in range(heldout_batches)]
-
-    def loss_fn(m: torch.nn.Module, batch) -> torch.Tensor:
-        x, y = batch
-        logits = m(input_ids=x).logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    return Job("gemma3", model, batches(), loss_fn, _lm_eval(loss_fn, heldout))
+    batches, heldout, loss_fn = causal_lm_windows(ids, seed=seed, seq_len=seq_len,
+                                                  batch_size=batch_size,
+                                                  heldout_batches=heldout_batches,
+                                                  bos=tok.bos_token_id)
+    return Job("gemma3", model, batches, loss_fn, _lm_eval(loss_fn, heldout))
 
 
 # ---- MiniLM on BBC News --------------------------------------------------------------------
