@@ -8,7 +8,8 @@ The number: for each matrix of the model (every param of 2 or more dims and at l
 column under the default ``score="l2"``) in its top :data:`SPREAD_TOPK` of columns, whatever
 the run's own ``topk_ratio``; the element-weighted mean over the matrices. On the
 convergence study's first step the LMs (SmolLM2-135M, Gemma 3 270M) give 0.57-0.64, and the
-default schedule stays within 0.003 nats of AdamW on SmolLM2; the encoder classifiers give 0.27-0.44 (MiniLM-L6, its 3-layer
+default schedule stays within 0.003 nats of AdamW on SmolLM2 (not on Gemma: +0.034, a
+loss this measure does not flag); the encoder classifiers give 0.27-0.44 (MiniLM-L6, its 3-layer
 cut, the 12-layer all-mpnet-base-v2), and there it lagged AdamW
 by up to 0.034 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
 stayed within about 0.011 nats (docs/quality.md, "Spread gradients"). Below
