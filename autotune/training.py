@@ -431,14 +431,13 @@ def causal_lm_windows(ids: torch.Tensor, *, seed: int, seq_len: int, batch_size:
     split = int(0.9 * ids.numel())
     train, held = ids[:split], ids[split:]
 
+    n = seq_len + (bos is None)  # tokens read from the text per window (<bos> adds one)
+
     def take(src: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        if bos is None:
-            off = torch.randint(0, src.numel() - seq_len - 1, (batch_size,), generator=g)
-            w = src[off[:, None] + torch.arange(seq_len + 1)]
-        else:
-            off = torch.randint(0, src.numel() - seq_len, (batch_size,), generator=g)
-            w = torch.cat([torch.full((batch_size, 1), bos),
-                           src[off[:, None] + torch.arange(seq_len)]], dim=1)
+        off = torch.randint(0, src.numel() - n, (batch_size,), generator=g)
+        w = src[off[:, None] + torch.arange(n)]
+        if bos is not None:
+            w = torch.cat([torch.full((batch_size, 1), bos), w], dim=1)
         return w[:, :-1].to(device), w[:, 1:].to(device)
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

