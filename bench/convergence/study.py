@@ -124,9 +124,6 @@ def report(rows: list[dict]) -> str:
 DEFAULT_SCHEDULE = "zenflow-adaptive-dense"
 FRESH_PAIR = "zenflow-adaptive-dense-window-delay1"
 AS_SHIPPED = "zenflow-defaults-fresh-if-spread"
-ISSUE50_GOALS = {"lm": 0.005, "classification": 0.01, "accuracy_pts": -0.5}
-"""Issue 50's goals for the library's defaults: the mean over seeds of the held-out loss minus
-AdamW's (nats) per kind of workload, and of the accuracy (points) for classifiers."""
 
 
 def _paired(rows: list[dict], name: str, ref: dict[int, dict]) -> dict | None:
@@ -143,14 +140,24 @@ def _paired(rows: list[dict], name: str, ref: dict[int, dict]) -> dict | None:
     return out
 
 
+def _gap(g: dict) -> str:
+    """A paired gap as the tables print it (+ 0.0: no "-0.0000" for one that rounds to 0)."""
+    return f"{round(g['loss'], 4) + 0.0:+.4f}" + (
+        "" if g["accuracy"] is None else f", {round(g['accuracy'], 1) + 0.0:+.1f} pts")
+
+
 def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
     """What the library's defaults give on every (workload, lr) of ``rows``: the schedule
     ``fresh_if_spread`` picks from the share the optimizer measured at its first selection
     (``energy``: ``energy.py --json``'s workloads), its rows (those of the defaults as shipped
     where they ran, else the picked schedule's, the same computation), against AdamW on the
-    same seeds and against issue 50's goals; beside it, the gap of ``adamw-fused`` (AdamW
-    through another kernel) where it ran: the noise floor of a paired comparison."""
+    same seeds and against issue 50's goals (the tuner's ``"default"`` quality bar); beside it,
+    the gap of ``adamw-fused`` (AdamW through another kernel) where it ran: the noise floor
+    of a paired comparison."""
+    from autotune.realquality import bar_limits
     from zenflow_triton.columns.spread import SPREAD_SHARE
+
+    goals = bar_limits("default")
 
     lines = ["| workload | lr | first-selection share | schedule | the defaults minus AdamW "
              "| seeds | within issue 50's goals | noise floor (adamw-fused minus AdamW) |",
@@ -167,24 +174,19 @@ def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
             continue
         floor = _paired(rs, "adamw-fused", ref)
 
-        def gap(g: dict) -> str:  # (+ 0.0: no "-0.0000" for a gap that rounds to zero)
-            return f"{round(g['loss'], 4) + 0.0:+.4f}" + (
-                "" if g["accuracy"] is None else f", {round(g['accuracy'], 1) + 0.0:+.1f} pts")
-
         lm = got["accuracy"] is None
+        goal = goals["lm" if lm else "classification"]
         misses = []
-        bar = ISSUE50_GOALS["lm" if lm else "classification"]
-        if round(got["loss"], 6) > bar:
-            misses.append(f"loss {got['loss'] - bar:.4f} past +{bar}")
+        if round(got["loss"], 6) > goal["loss"]:
+            misses.append(f"loss {got['loss'] - goal['loss']:.4f} past +{goal['loss']:g}")
         # accuracies are counts over the held-out set: compare at 0.001 points, not the float
-        if not lm and round(got["accuracy"], 3) < ISSUE50_GOALS["accuracy_pts"]:
-            misses.append(f"accuracy {ISSUE50_GOALS['accuracy_pts'] - got['accuracy']:.1f} "
-                          "pts past")
+        if not lm and round(got["accuracy"], 3) < goal["accuracy_pts"]:
+            misses.append(f"accuracy {goal['accuracy_pts'] - got['accuracy']:.1f} pts past")
         lines.append(
             f"| {wl} | {lr:g} | {share:.3f} | "
-            f"{'fresh pair' if picked == FRESH_PAIR else 'default'} | {gap(got)} "
+            f"{'fresh pair' if picked == FRESH_PAIR else 'default'} | {_gap(got)} "
             f"| {', '.join(map(str, got['seeds']))} | {'; '.join(misses) or 'yes'} "
-            f"| {gap(floor) + ' (' + ', '.join(map(str, floor['seeds'])) + ')' if floor else '-'} |")
+            f"| {_gap(floor) + ' (' + ', '.join(map(str, floor['seeds'])) + ')' if floor else '-'} |")
     return "\n".join(lines)
 
 
