@@ -94,6 +94,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         self._worker, self._host_adamw = self._pipeline.worker, self._pipeline.adamw
         self._dev = DeviceHalf(self.ops, self.link, self._shard, cfg)
         self._spread = Spread(self.link, self._owner, cfg)  # measured once a run
+        self.config = self._spread.start(cfg)  # fresh_start: the first interval fresh
         self._split = ColumnSplit(self.ops, self.link, cfg, self._shard, self._dev,
                                   self._spread)
         # Gradient streaming's hooks (stream_grads), clipping (max_grad_norm), live grad bytes
@@ -228,6 +229,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         warm-up, the first selection of a param seen for the first time."""
         if plan.reselect:
             self._drain()
+            self.config = self._spread.end_start(self.config)  # nothing pending here
             self._counters["selection_refreshes"] += 1
             self._migrate(moves if moves is not None else self._split.plan(
                 work, self._states, scores=self._stream.scores()))
