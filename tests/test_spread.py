@@ -121,8 +121,8 @@ def test_the_share_is_measured_once_at_the_first_selection():
     opt.close()
     _, before = run(concentrated=False, steps=0)
     assert before.stats()["spread"] == {"share": None, "spread": None, "fresh": False,
-                                        "fresh_start": True}  # fresh until it is measured
-    assert (before.config.host_betas, before.config.apply_delay) == ("window", 1)
+                                        "fresh_start": False}  # as given until step 1
+    assert (before.config.host_betas, before.config.apply_delay) == ("step", None)
     before.close()
     _, later = run(concentrated=False)  # reselections at steps 9 and 17 change nothing
     assert later.stats()["spread"]["share"] == first
@@ -224,7 +224,8 @@ def test_a_checkpoint_in_the_fresh_start_resumes_it_bit_for_bit(at):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no config-change warning: the same schedule
         opt2.load_state_dict(saved["opt"])
-    assert opt2.stats()["spread"]["fresh_start"] and opt2.config.apply_delay == 1
+    assert opt2.stats()["spread"]["fresh_start"] == (at > 0)  # begins at the first selection
+    assert opt2.config.apply_delay == (1 if at else None)
     for x in data[at:]:
         loss(model2, x).backward()
         opt2.step()

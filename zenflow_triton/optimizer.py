@@ -94,7 +94,6 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         self._worker, self._host_adamw = self._pipeline.worker, self._pipeline.adamw
         self._dev = DeviceHalf(self.ops, self.link, self._shard, cfg)
         self._spread = Spread(self.link, self._owner, cfg)  # measured once a run
-        self.config = self._spread.start(cfg)  # fresh_start: the first interval fresh
         self._split = ColumnSplit(self.ops, self.link, cfg, self._shard, self._dev,
                                   self._spread)
         # Gradient streaming's hooks (stream_grads), clipping (max_grad_norm), live grad bytes

@@ -92,10 +92,10 @@ class Spread:
         after the one that measured, whatever the share."""
         self._parts: list[tuple[int, torch.Tensor]] = []
 
-    def start(self, config: ZenFlowConfig) -> ZenFlowConfig:
-        """The config a run (or a checkpoint from before its first selection) begins with:
-        the fresh schedule where ``fresh_start`` may act, else ``config``."""
-        fresh = _freshened(config) if config.fresh_start else None
+    def _start(self, config: ZenFlowConfig) -> ZenFlowConfig:
+        """At the first selection, before its first host window: the fresh schedule where
+        ``fresh_start`` may act on the constructor's config, else ``config``."""
+        fresh = _freshened(self.base) if self.base.fresh_start else None
         self.starting = fresh is not None
         return config if fresh is None else fresh
 
@@ -139,6 +139,7 @@ class Spread:
         parts, self._parts = self._parts, []
         if not self.pending or not parts:
             return config
+        config = self._start(config)
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for n, pair in parts:
             by_device.setdefault(pair.device, []).append((n, pair))
@@ -191,7 +192,8 @@ class Spread:
 
     def restore(self, saved: Any) -> ZenFlowConfig:
         """A checkpoint's measurement and the config it implies for the constructor's,
-        without a second warning. Not settled (or None): measure at the next selection;
+        without a second warning, and the fresh start where the saved run was in it. Not
+        settled (or None): measure at the next selection;
         :data:`NOT_SAVED`: a state dict written before this measure existed, whose run goes
         on with the schedule as configured, unmeasured (and says so when saved again)."""
         config = self.base
@@ -199,13 +201,11 @@ class Spread:
         self.fresh = self.starting = False
         self.share = None
         self.settled = saved is NOT_SAVED
-        if saved is NOT_SAVED:
+        if not isinstance(saved, dict):
             return config
-        if not isinstance(saved, dict) or not saved.get("settled"):
-            return self.start(config)
-        self.settled = True
+        self.settled = bool(saved.get("settled"))
         share = float(saved.get("share", float("nan")))
-        self.share = share if share == share else None
+        self.share = share if share == share and self.settled else None
         fresh = _freshened(config) if saved.get("fresh") or saved.get("starting") else None
         self.fresh = fresh is not None and bool(saved.get("fresh"))
         self.starting = fresh is not None and not self.fresh
