@@ -72,45 +72,14 @@ def test_a_spread_gradient_trains_the_fresh_schedule_bit_for_bit():
         o.close()
 
 
-def test_a_concentrated_gradient_keeps_the_default_schedule_after_a_fresh_start():
-    """fresh_start: the first selection interval (steps 1-8 here) trains fresh, and the
-    reselection at step 9 returns the run to the stale default: bit for bit the fresh
-    schedule's first 8 steps, saved, and the stale default's steps from 9 on."""
-    _, early = run(concentrated=True, steps=8)
-    st = early.stats()["spread"]
-    assert st["share"] >= SPREAD_SHARE and not st["spread"] and not st["fresh"]
-    assert st["fresh_start"] and (early.config.host_betas, early.config.apply_delay) == (
-        "window", 1)
-    early.close()
+def test_a_concentrated_gradient_keeps_the_default_schedule():
     got, opt = run(concentrated=True)
     st = opt.stats()["spread"]
-    assert not st["fresh"] and not st["fresh_start"]
+    assert st["share"] >= SPREAD_SHARE and not st["spread"] and not st["fresh"]
     assert (opt.config.host_betas, opt.config.apply_delay) == ("step", None)
-    # the same: 8 steps of the fresh schedule as given, then the stale default loads them
-    model, data = model_and_data(True)
-    first = ZenFlowOptimizer(model.named_parameters(), lr=1e-2,
-                             **{**CFG, "fresh_if_spread": False, "host_betas": "window",
-                                "apply_delay": 1})
-    for x in data[:8]:
-        loss(model, x).backward()
-        first.step()
-        first.zero_grad()
-    saved = roundtrip(first.state_dict())
-    first.close(finish=False)
-    then = ZenFlowOptimizer(model.named_parameters(), lr=1e-2,
-                            **{**CFG, "fresh_if_spread": False})
-    with pytest.warns(UserWarning, match="host_betas"):  # the schedule changes, as it should
-        then.load_state_dict(saved)
-    for x in data[8:]:
-        loss(model, x).backward()
-        then.step()
-        then.zero_grad()
-    then.synchronize()
-    assert same(got, [p.detach() for p in model.parameters()])
-    stale, ref = run(concentrated=True, fresh_start=False)  # the stale default throughout
-    assert not same(got, stale)
-    assert not ref.stats()["spread"]["fresh_start"]
-    for o in (opt, then, ref):
+    want, ref = run(concentrated=True, fresh_if_spread=False)
+    assert same(got, want)
+    for o in (opt, ref):
         o.close()
 
 
@@ -120,9 +89,7 @@ def test_the_share_is_measured_once_at_the_first_selection():
     assert 0.1 <= first < SPREAD_SHARE  # at least uniform's 10%
     opt.close()
     _, before = run(concentrated=False, steps=0)
-    assert before.stats()["spread"] == {"share": None, "spread": None, "fresh": False,
-                                        "fresh_start": False}  # as given until step 1
-    assert (before.config.host_betas, before.config.apply_delay) == ("step", None)
+    assert before.stats()["spread"] == {"share": None, "spread": None, "fresh": False}
     before.close()
     _, later = run(concentrated=False)  # reselections at steps 9 and 17 change nothing
     assert later.stats()["spread"]["share"] == first
@@ -203,44 +170,9 @@ def test_a_checkpoint_carries_the_choice_and_resumes_bit_for_bit():
     opt2.close()
 
 
-@pytest.mark.parametrize("at", [0, 4, 8])
-def test_a_checkpoint_in_the_fresh_start_resumes_it_bit_for_bit(at):
-    """Saved before the first selection (step 0), inside the fresh start (4) and at its last
-    step (8): the resumed run is fresh until the reselection at step 9, then stale, as the
-    run that never stopped."""
-    want, ref = run(concentrated=True)
-    ref.close()
-    model, data = model_and_data(True)
-    opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, **CFG)
-    for x in data[:at]:
-        loss(model, x).backward()
-        opt.step()
-        opt.zero_grad()
-    saved = roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
-    opt.close(finish=False)
-    model2, _ = model_and_data(True, seed=5)
-    model2.load_state_dict(saved["model"])
-    opt2 = ZenFlowOptimizer(model2.named_parameters(), lr=1e-2, **CFG)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no config-change warning: the same schedule
-        opt2.load_state_dict(saved["opt"])
-    assert opt2.stats()["spread"]["fresh_start"] == (at > 0)  # begins at the first selection
-    assert opt2.config.apply_delay == (1 if at else None)
-    for x in data[at:]:
-        loss(model2, x).backward()
-        opt2.step()
-        opt2.zero_grad()
-    assert not opt2.stats()["spread"]["fresh_start"] and opt2.config.apply_delay is None
-    opt2.synchronize()
-    assert same([p.detach() for p in model2.parameters()], want)
-    opt2.close()
-
-
 def test_a_bad_value_is_refused():
     with pytest.raises(ConfigError, match="fresh_if_spread must be True or False"):
         ZenFlowOptimizer([torch.zeros(4, 4, requires_grad=True)], fresh_if_spread="yes")
-    with pytest.raises(ConfigError, match="fresh_start must be True or False"):
-        ZenFlowOptimizer([torch.zeros(4, 4, requires_grad=True)], fresh_start=1)
 
 
 def test_the_rule_flags_every_study_workload_where_the_default_schedule_loses():

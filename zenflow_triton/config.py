@@ -165,17 +165,6 @@ class ZenFlowConfig:
     under a stale config is warned about once. ``stats()["spread"]`` says what was measured
     and chosen; a checkpoint carries the choice."""
 
-    fresh_start: bool = True
-    """With ``fresh_if_spread``, where it may freshen the config (the stale default,
-    ``apply_delay`` None): the run's first selection interval (``select_interval`` steps from
-    the first selection; 64 by default) trains with the fresh schedule whatever the gradient,
-    and the next reselection (which drains the host pipeline) returns a concentrated gradient's
-    run to the config as given. A fine-tune moves fastest in its first steps, where results
-    applied a window late cost most: Gemma 3 270M trailed AdamW by 0.07-0.14 nats at step 50
-    under the stale default and not under the fresh one (docs/quality.md, "Spread gradients").
-    What it costs: the fresh schedule's step time for those steps only. False: the stale
-    default from the first step where the gradient is concentrated."""
-
     check_finite: bool = True
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any
     state. False: non-finite values flow into the update as in torch.optim.AdamW."""
@@ -242,8 +231,6 @@ class ZenFlowConfig:
         if not isinstance(self.fresh_if_spread, bool):
             raise ConfigError(f"fresh_if_spread must be True or False, got "
                               f"{self.fresh_if_spread!r}")
-        if not isinstance(self.fresh_start, bool):
-            raise ConfigError(f"fresh_start must be True or False, got {self.fresh_start!r}")
         _check_choice("backend", self.backend, Backend)
         if self.host_threads is not None:
             _check_number("host_threads", self.host_threads, int, lo=1, rng=">= 1 or None")

@@ -228,7 +228,6 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         warm-up, the first selection of a param seen for the first time."""
         if plan.reselect:
             self._drain()
-            self.config = self._spread.end_start(self.config)  # nothing pending here
             self._counters["selection_refreshes"] += 1
             self._migrate(moves if moves is not None else self._split.plan(
                 work, self._states, scores=self._stream.scores()))

@@ -56,11 +56,9 @@ DESCRIBE = {
     "mpnet-tweets": ("all-mpnet-base-v2 (12 layers)", "classification",
                      "crowd-labelled tweets, 3 classes, linear decay"),
 }
-SKIPPED = {"adamw", "zero-offload", "adamw-fused", "zenflow-defaults-fresh-if-spread"}
-"""The reference, a peer, AdamW through another kernel (a noise floor), and the library's
-defaults as shipped, whose schedule the run chooses (``fresh_if_spread``, ``fresh_start``):
-not settings the tuner may pick. The tuner judges the default class by its stale rows
-(``zenflow-adaptive-dense``, the schedule as written), what a run gets without those rules."""
+SKIPPED = {"adamw", "zero-offload", "adamw-fused"}
+"""The reference, a peer, and AdamW through another kernel (a noise floor): not
+settings the tuner may pick."""
 
 
 def _git(*args: str) -> str:

@@ -122,12 +122,8 @@ def report(rows: list[dict]) -> str:
 
 
 DEFAULT_SCHEDULE = "zenflow-adaptive-dense"
-"""The stale default schedule as written: what a concentrated gradient trains with after the
-fresh start (``fresh_start``), and before it existed from the first step."""
 FRESH_PAIR = "zenflow-adaptive-dense-window-delay1"
-"""The fresh schedule as written: the defaults' whole run on a spread gradient."""
 AS_SHIPPED = "zenflow-defaults-fresh-if-spread"
-"""The library's defaults (``fresh_if_spread`` and ``fresh_start`` on)."""
 
 
 def _paired(rows: list[dict], name: str, ref: dict[int, dict]) -> dict | None:
@@ -153,13 +149,11 @@ def _gap(g: dict) -> str:
 def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
     """What the library's defaults give on every (workload, lr) of ``rows``: the schedule
     ``fresh_if_spread`` picks from the share the optimizer measured at its first selection
-    (``energy``: ``energy.py --json``'s workloads), its rows against AdamW on the same seeds
-    and against issue 50's goals (the tuner's ``"default"`` quality bar); beside it, the gap
-    of ``adamw-fused`` (AdamW through another kernel) where it ran: the noise floor of a
-    paired comparison. The rows: those of the defaults as shipped where they ran; else, on
-    a spread gradient, the fresh pair's (the same computation: fresh from the first step).
-    A concentrated gradient's run is the fresh start then the stale default, which no other
-    named setting computes: without the shipped defaults' rows it says "not run"."""
+    (``energy``: ``energy.py --json``'s workloads), its rows (those of the defaults as shipped
+    where they ran, else the picked schedule's, the same computation), against AdamW on the
+    same seeds and against issue 50's goals (the tuner's ``"default"`` quality bar); beside it,
+    the gap of ``adamw-fused`` (AdamW through another kernel) where it ran: the noise floor
+    of a paired comparison."""
     from autotune.realquality import bar_limits
     from zenflow_triton.columns.spread import SPREAD_SHARE
 
@@ -174,11 +168,9 @@ def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
         share = energy.get(wl, {}).get("first_selection_share")
         if share is None or not ref:
             continue
-        spread = share < SPREAD_SHARE
-        label = "fresh pair" if spread else "fresh start, then default"
-        got = _paired(rs, AS_SHIPPED, ref) or (_paired(rs, FRESH_PAIR, ref) if spread else None)
+        picked = FRESH_PAIR if share < SPREAD_SHARE else DEFAULT_SCHEDULE
+        got = _paired(rs, AS_SHIPPED, ref) or _paired(rs, picked, ref)
         if got is None:
-            lines.append(f"| {wl} | {lr:g} | {share:.3f} | {label} | not run | - | - | - |")
             continue
         floor = _paired(rs, "adamw-fused", ref)
 
@@ -192,7 +184,7 @@ def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
             misses.append(f"accuracy {goal['accuracy_pts'] - got['accuracy']:.1f} pts past")
         lines.append(
             f"| {wl} | {lr:g} | {share:.3f} | "
-            f"{label} | {_gap(got)} "
+            f"{'fresh pair' if picked == FRESH_PAIR else 'default'} | {_gap(got)} "
             f"| {', '.join(map(str, got['seeds']))} | {'; '.join(misses) or 'yes'} "
             f"| {_gap(floor) + ' (' + ', '.join(map(str, floor['seeds'])) + ')' if floor else '-'} |")
     return "\n".join(lines)

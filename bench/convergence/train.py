@@ -98,12 +98,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # setting (the quality store leaves it out). ZenFlow's own topk_ratio=1 is no such floor:
     # on CPU it is AdamW bit for bit.
     "adamw-fused": dict(torch_adamw="fused"),
-    # the library's defaults (issue 50): zenflow-adaptive-dense-window-delay1's schedule from
-    # the first step (fresh_start), kept for the whole run where the first selection measures
-    # a spread gradient (fresh_if_spread), else zenflow-adaptive-dense's from the reselection
-    # after it (step 65)
-    "zenflow-defaults-fresh-if-spread": dict(host_lr_scale="adaptive", fresh_if_spread=True,
-                                             fresh_start=True),
+    # the library's defaults since fresh_if_spread (issue 50): the schedule of
+    # zenflow-adaptive-dense, switched to zenflow-adaptive-dense-window-delay1's where the
+    # first selection measures a spread gradient
+    "zenflow-defaults-fresh-if-spread": dict(host_lr_scale="adaptive", fresh_if_spread=True),
 }
 STUDY_OPTIMIZERS = ("adamw", "zero-offload", "zenflow", "zenflow-aggressive")
 

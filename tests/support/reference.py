@@ -50,8 +50,7 @@ class ReferenceZenFlow:
                  overlap, apply_delay=None, warmup_steps=0, min_offload_numel=1,
                  host_lr_scale="adaptive",
                  accumulate_on="device", accumulator_dtype="float32",
-                 host_state_dtype="float32", host_betas="step", fresh_if_spread=True,
-                 fresh_start=True):
+                 host_state_dtype="float32", host_betas="step", fresh_if_spread=True):
         self.groups = param_groups
         self.ratio = topk_ratio
         self.ui = update_interval
@@ -80,11 +79,6 @@ class ReferenceZenFlow:
         # ranked matrices) switches the stale default to the window's betas and delay 1
         self.may_freshen = (fresh_if_spread and host_betas == "step" and apply_delay is None
                             and overlap and update_interval > 1)
-        # fresh_start: where it may freshen, the run starts fresh, and the reselection after
-        # the measuring one returns a concentrated gradient's run to the stale default
-        self.starting = self.may_freshen and fresh_start
-        if self.starting:
-            self.window_betas, self.delay = True, 1
         self.spread_share = None
         self._shares = []
         self.t = 0
@@ -167,9 +161,6 @@ class ReferenceZenFlow:
             self.st.setdefault(id(p), self._init(p))
         if not warm and (u - 1) % self.si == 0:
             self._apply_pending()
-            if self.starting and self.spread_share is not None:
-                self.starting = False
-                self.window_betas, self.delay = False, self.ui
             for grp, p, g in live:
                 if "dev" in self.st[id(p)]:
                     self._select(p, g, grp)
@@ -184,7 +175,6 @@ class ReferenceZenFlow:
             self._shares = []
             if self.may_freshen and self.spread_share < 0.5:
                 self.window_betas, self.delay = True, 1
-                self.starting = False
         for grp, p, g in live:
             s = self.st[id(p)]
             b1, b2 = grp["betas"]

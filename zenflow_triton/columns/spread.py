@@ -87,29 +87,7 @@ class Spread:
         """Whether ``fresh_if_spread`` switched this run to the fresh schedule."""
         self.settled = False
         """Measured, or resumed from a state dict written before this measure existed."""
-        self.starting = False
-        """In the fresh start (``fresh_start``): the fresh schedule until the reselection
-        after the one that measured, whatever the share."""
         self._parts: list[tuple[int, torch.Tensor]] = []
-
-    def _start(self, config: ZenFlowConfig) -> ZenFlowConfig:
-        """At the first selection, before its first host window: the fresh schedule where
-        ``fresh_start`` may act on the constructor's config, else ``config``."""
-        fresh = _freshened(self.base) if self.base.fresh_start else None
-        self.starting = fresh is not None
-        return config if fresh is None else fresh
-
-    def end_start(self, config: ZenFlowConfig) -> ZenFlowConfig:
-        """At a reselection, after its drain (nothing pending, no job in flight): the end of
-        the fresh start once the share is measured. A concentrated gradient's run goes on
-        with the config as given; a spread one's stays fresh (:meth:`choose`)."""
-        if not (self.starting and self.settled):
-            return config
-        self.starting = False
-        log.info("the fresh start ends: training with the config as given (host_betas=%r, "
-                 "apply_delay=%s) on a concentrated gradient", self.base.host_betas,
-                 self.base.apply_delay)
-        return self.base
 
     @property
     def pending(self) -> bool:
@@ -139,7 +117,6 @@ class Spread:
         parts, self._parts = self._parts, []
         if not self.pending or not parts:
             return config
-        config = self._start(config)
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for n, pair in parts:
             by_device.setdefault(pair.device, []).append((n, pair))
@@ -157,14 +134,12 @@ class Spread:
         return self.choose(config)
 
     def choose(self, config: ZenFlowConfig) -> ZenFlowConfig:
-        """The config for the measured :attr:`share` (see :meth:`settle`): ``config`` (the
-        fresh start's or the constructor's) for a concentrated gradient."""
-        if self.share >= SPREAD_SHARE or not self.base.stale_default:
+        """The config for the measured :attr:`share` (see :meth:`settle`)."""
+        if self.share >= SPREAD_SHARE or not config.stale_default:
             return config
-        fresh = _freshened(self.base)
+        fresh = _freshened(config)
         if fresh is not None:
             self.fresh = True
-            self.starting = False
             log.info("the gradient is spread (%.2f of it in the top 10%% of "
                      "columns, under %.1f): training with host_betas='window', "
                      "apply_delay=1 (fresh_if_spread)", self.share, SPREAD_SHARE)
@@ -175,7 +150,7 @@ class Spread:
             "the default schedule (host_betas='step', each window's result applied a window "
             "late) ended up to 0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
             "'Spread gradients'), and this run keeps host_betas='step' with "
-            f"apply_delay={self.base.effective_apply_delay}. For AdamW's quality pass "
+            f"apply_delay={config.effective_apply_delay}. For AdamW's quality pass "
             "host_betas='window', apply_delay=1 (more "
             "step time where the host is what a step waits for), or leave apply_delay unset "
             "with fresh_if_spread=True; `zenflow-tune diagnose` measures it per layer",
@@ -188,30 +163,27 @@ class Spread:
         dict of a fresh optimizer, keys for keys)."""
         return {"settled": self.settled,
                 "share": float("nan") if self.share is None else self.share,
-                "fresh": self.fresh, "starting": self.starting}
+                "fresh": self.fresh}
 
     def restore(self, saved: Any) -> ZenFlowConfig:
         """A checkpoint's measurement and the config it implies for the constructor's,
-        without a second warning, and the fresh start where the saved run was in it. Not
-        settled (or None): measure at the next selection;
+        without a second warning. Not settled (or None): measure at the next selection;
         :data:`NOT_SAVED`: a state dict written before this measure existed, whose run goes
         on with the schedule as configured, unmeasured (and says so when saved again)."""
         config = self.base
         self._parts = []
-        self.fresh = self.starting = False
+        self.fresh = False
         self.share = None
         self.settled = saved is NOT_SAVED
-        if not isinstance(saved, dict):
+        if not isinstance(saved, dict) or not saved.get("settled"):
             return config
-        self.settled = bool(saved.get("settled"))
+        self.settled = True
         share = float(saved.get("share", float("nan")))
-        self.share = share if share == share and self.settled else None
-        fresh = _freshened(config) if saved.get("fresh") or saved.get("starting") else None
-        self.fresh = fresh is not None and bool(saved.get("fresh"))
-        self.starting = fresh is not None and not self.fresh
+        self.share = share if share == share else None
+        fresh = _freshened(config) if saved.get("fresh") else None
+        self.fresh = fresh is not None
         return config if fresh is None else fresh
 
     def stats(self) -> dict[str, Any]:
         return {"share": self.share, "spread": None if self.share is None
-                else self.share < SPREAD_SHARE, "fresh": self.fresh,
-                "fresh_start": self.starting}
+                else self.share < SPREAD_SHARE, "fresh": self.fresh}
