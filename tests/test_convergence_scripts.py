@@ -122,6 +122,21 @@ def test_training_loop_warms_up_clips_evaluates_and_counts_host_windows(zenflow)
     assert "| minilm @ lr 0.01 |" in study.report(rows)  # not the workload's own lr
 
 
+def test_stale_after_trains_the_pair_then_the_stale_default():
+    """``stale_after`` (the study's fresh64 setting, scaled down): the pair's steps, then the
+    stale default's: neither schedule's run alone."""
+    base = dict(topk_ratio=0.1, update_interval=2, select_interval=4, min_offload_numel=64)
+    pair = dict(base, host_betas="window", apply_delay=1)
+
+    def final(zenflow):
+        return train.run(_tiny_job(), zenflow=zenflow, lr=1e-2, steps=12, eval_every=12)[
+            "final"]["loss"]
+
+    switched = final(dict(pair, stale_after=4))
+    assert switched != final(pair) and switched != final(base)
+    assert final(dict(pair, stale_after=12)) == final(pair)  # after the last step: no switch
+
+
 def test_a_rising_loss_counts_as_diverged():
     job = _tiny_job()
     out = train.run(job, zenflow=None, lr=50.0, steps=6, eval_every=6)  # far too large

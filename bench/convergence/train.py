@@ -98,6 +98,11 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # setting (the quality store leaves it out). ZenFlow's own topk_ratio=1 is no such floor:
     # on CPU it is AdamW bit for bit.
     "adamw-fused": dict(torch_adamw="fused"),
+    # the fresh pair for the first 64 steps (the first selection interval), then the stale
+    # default: the script switches the optimizer's config after step 64, and step 65's
+    # reselection drains the pipeline first (issue 50: is Gemma's lag an early one? no)
+    "zenflow-adaptive-dense-fresh64": dict(host_lr_scale="adaptive", host_betas="window",
+                                           apply_delay=1, stale_after=64),
     # the library's defaults since fresh_if_spread (issue 50): the schedule of
     # zenflow-adaptive-dense, switched to zenflow-adaptive-dense-window-delay1's where the
     # first selection measures a spread gradient
@@ -134,6 +139,10 @@ def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
     warm = max(1, int(0.1 * steps))
     if zenflow is not None and zenflow.get("warmup_steps") == WARMUP_AS_LR:
         zenflow = dict(zenflow, warmup_steps=warm)
+    stale_after = None  # a script-side switch to the stale default (a study setting only)
+    if zenflow is not None and "stale_after" in zenflow:
+        zenflow = dict(zenflow)
+        stale_after = zenflow.pop("stale_after")
     opt = make_optimizer(params if _torch(zenflow) else named, lr, zenflow)
     if schedule not in ("constant", "linear"):
         raise ValueError(f"schedule must be 'constant' or 'linear', got {schedule!r}")
@@ -157,6 +166,8 @@ def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if step == stale_after:
+            opt.config = opt.config.replace(host_betas="step", apply_delay=None)
         sched.step()
         if verbose and step % 10 == 0:
             print(f"  step {step}/{steps} loss {loss.item():.4f} "
