@@ -101,6 +101,12 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # the fresh pair for the first 64 steps (the first selection interval), then the stale
     # default: the script switches the optimizer's config after step 64, and step 65's
     # reselection drains the pipeline first (issue 50: is Gemma's lag an early one? no)
+    # one selection for the whole 200-step run (no reselection, no migration after step 1):
+    # is a reselection what the Gemma runs' last 7 steps pay for? (issue 50)
+    "zenflow-adaptive-dense-sel200": dict(host_lr_scale="adaptive", select_interval=200),
+    "zenflow-adaptive-dense-window-delay1-sel200": dict(host_lr_scale="adaptive",
+                                                        host_betas="window", apply_delay=1,
+                                                        select_interval=200),
     "zenflow-adaptive-dense-fresh64": dict(host_lr_scale="adaptive", host_betas="window",
                                            apply_delay=1, stale_after=64),
     # the library's defaults since fresh_if_spread (issue 50): the schedule of
