@@ -107,6 +107,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-adaptive-dense-window-delay1-sel200": dict(host_lr_scale="adaptive",
                                                         host_betas="window", apply_delay=1,
                                                         select_interval=200),
+    # the pair with the "sqrt" host step size instead of "adaptive": is the adaptive
+    # multiplier what Gemma's seed 1 pays for late in the run? (issue 50)
+    "zenflow-dense-window-delay1": dict(host_lr_scale="sqrt", host_betas="window",
+                                        apply_delay=1),
     "zenflow-adaptive-dense-fresh64": dict(host_lr_scale="adaptive", host_betas="window",
                                            apply_delay=1, stale_after=64),
     # the library's defaults since fresh_if_spread (issue 50): the schedule of
