@@ -98,9 +98,6 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # setting (the quality store leaves it out). ZenFlow's own topk_ratio=1 is no such floor:
     # on CPU it is AdamW bit for bit.
     "adamw-fused": dict(torch_adamw="fused"),
-    # the fresh pair for the first 64 steps (the first selection interval), then the stale
-    # default: the script switches the optimizer's config after step 64, and step 65's
-    # reselection drains the pipeline first (issue 50: is Gemma's lag an early one? no)
     # one selection for the whole 200-step run (no reselection, no migration after step 1):
     # is a reselection what the Gemma runs' last 7 steps pay for? (issue 50)
     "zenflow-adaptive-dense-sel200": dict(host_lr_scale="adaptive", select_interval=200),
@@ -111,6 +108,9 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # multiplier what Gemma's seed 1 pays for late in the run? (issue 50)
     "zenflow-dense-window-delay1": dict(host_lr_scale="sqrt", host_betas="window",
                                         apply_delay=1),
+    # the fresh pair for the first 64 steps (the first selection interval), then the stale
+    # default: the script switches the optimizer's config after step 64, and step 65's
+    # reselection drains the pipeline first (issue 50: is Gemma's lag an early one? no)
     "zenflow-adaptive-dense-fresh64": dict(host_lr_scale="adaptive", host_betas="window",
                                            apply_delay=1, stale_after=64),
     # the library's defaults since fresh_if_spread (issue 50): the schedule of
