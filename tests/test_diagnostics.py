@@ -83,6 +83,33 @@ def test_the_verdict_follows_the_measured_thresholds(share, overlap, words):
     assert "topk_ratio=0.1 only" in verdict(dict(s, topk_ratio=0.2))
 
 
+def test_the_verdict_flags_a_far_window_on_a_concentrated_gradient():
+    """Gemma 3 270M's case: concentrated (0.62) but its weights are small for its lr, so a
+    window's result is stale when applied: the verdict says to train the fresh schedule."""
+    from zenflow_triton.columns.spread import TRAVEL_LIMIT
+    from zenflow_triton.diagnostics import verdict
+
+    s = dict(topk_ratio=0.1, overall=dict(energy_share=0.62, overlap_prev=0.65))
+    far = verdict(s, travel=2.3 * TRAVEL_LIMIT)
+    assert "the window is stale at this lr" in far and "over 0.001" in far
+    assert "host_betas='window' with apply_delay=1" in far
+    near = verdict(s, travel=0.4 * TRAVEL_LIMIT)
+    assert near.startswith("verdict: suits ZenFlow (0.62") and "under 0.001" in near
+    assert "host_betas='window'" not in near
+    assert "host_betas='window'" not in verdict(s)  # no lr given: the share alone
+
+
+def test_window_travel_is_the_split_matrices_rms_against_the_lr():
+    from zenflow_triton.columns.spread import window_travel
+
+    named = [("layer.weight", torch.full((64, 64), 0.02)), ("layer.bias", torch.ones(64)),
+             ("embed.weight", torch.full((100, 64), 5.0)),  # the dense set's: not counted
+             ("small.weight", torch.ones(4, 4))]  # under min_offload_numel: not counted
+    got = window_travel(named, lr=2e-5, update_interval=4)
+    assert got == pytest.approx(4 * 2e-5 / 0.02, rel=1e-6)  # 0.02 in fp32
+    assert window_travel(named[1:2], lr=2e-5) is None
+
+
 def test_kind_table_groups_layers_by_name_without_their_numbers():
     from zenflow_triton.diagnostics import kind_table
 

@@ -32,7 +32,7 @@ import torch
 
 from .config import DEFAULT_MIN_OFFLOAD_NUMEL
 from .columns.selection import num_selected, select_columns
-from .columns.spread import SPREAD_SHARE
+from .columns.spread import SPREAD_SHARE, TRAVEL_LIMIT
 from .kernels import TORCH_OPS
 from .columns.layout import view2d
 
@@ -179,10 +179,12 @@ AdamW steps, beside the defaults' measured gap to AdamW): SmolLM2-135M 0.63 (the
 BBC News to 0.015 behind on noisy tweets). Two model families: evidence, not a law."""
 
 
-def verdict(s: dict) -> str:
+def verdict(s: dict, travel: float | None = None) -> str:
     """One line from a :meth:`GradientDiagnostics.summary`: does the model suit ZenFlow, and
     which settings to train it with (thresholds: :data:`VERDICT_TOPK`, and
-    ``columns.spread.SPREAD_SHARE``, the same line ``fresh_if_spread`` draws)."""
+    ``columns.spread.SPREAD_SHARE``, the same line ``fresh_if_spread`` draws). ``travel``:
+    the window travel at the lr the user trains at (``columns.spread.window_travel``), over
+    ``TRAVEL_LIMIT`` a second reason for the fresh schedule, as the optimizer judges it."""
     o = s["overall"]
     share, overlap = o["energy_share"], o["overlap_prev"]
     if abs(s["topk_ratio"] - VERDICT_TOPK) > 1e-9:
@@ -190,22 +192,34 @@ def verdict(s: dict) -> str:
                 f"--topk-ratio {VERDICT_TOPK}")
     unstable = (f"; the top set changes from step to step (overlap {overlap:.2f})"
                 if overlap == overlap and overlap < 0.4 else "")
+    far = travel is not None and travel > TRAVEL_LIMIT
+    window = ("" if travel is None else
+              f"; a window travels {travel:.1e} (update_interval x lr / the split weights' RMS"
+              + (f", over {TRAVEL_LIMIT:g}: the learning rate makes a window's result stale, "
+                 "as on Gemma 3 270M at 2e-5 (2.3e-3), where the default schedule ended 0.034 "
+                 "nats behind AdamW" if far else f", under {TRAVEL_LIMIT:g}") + ")")
+    fresh = ("host_betas='window' with apply_delay=1 (what the defaults switch to on a spread "
+             "gradient or a far window, fresh_if_spread; within about 0.01 nats of AdamW on "
+             "the study's spread workloads, for delay 1's step time): keep it, and do not train "
+             "this model with a profile's or config's host_betas='step' with a longer apply "
+             "delay (up to 0.034 nats and 2.6 points behind AdamW there; docs/quality.md, "
+             "'Spread gradients', 'The window's travel')")
+    if share >= SPREAD_SHARE and far:
+        return (f"verdict: concentrated, but the window is stale at this lr ({share:.2f} of the "
+                f"gradient energy in the top 10% of columns{window}): train with {fresh}"
+                f"{unstable}")
     if share >= SPREAD_SHARE:
         return (f"verdict: suits ZenFlow ({share:.2f} of the gradient energy in the top 10% "
                 "of columns, like SmolLM2's 0.58-0.63 where the defaults end within 0.003 nats "
-                f"of AdamW): start from the defaults or a tuned profile{unstable}")
-    fresh = ("host_betas='window' with apply_delay=1 (what the defaults switch to on a spread "
-             "gradient, fresh_if_spread; within about 0.01 nats of AdamW on the study's spread "
-             "workloads, for delay 1's step time): keep it, and do not train this model with a "
-             "profile's or config's host_betas='step' with a longer apply delay (up to 0.034 "
-             "nats and 2.6 points behind AdamW there; docs/quality.md, 'Spread gradients')")
+                f"of AdamW{window}): start from the defaults or a tuned profile{unstable}")
     if share >= 0.3:
         return (f"verdict: spread, suits ZenFlow with care ({share:.2f} of the energy in the top "
-                f"10%, under {SPREAD_SHARE}, like the encoder classifiers' 0.27-0.44): train "
-                f"with {fresh}{unstable}")
+                f"10%, under {SPREAD_SHARE}, like the encoder classifiers' 0.27-0.44{window}): "
+                f"train with {fresh}{unstable}")
     return (f"verdict: may not suit ZenFlow ({share:.2f} of the energy in the top 10%, near "
-            "uniform; no measured workload is this low): tune on your data with a higher "
-            f"topk_ratio (0.2-0.3) before relying on it, and train with {fresh}{unstable}")
+            f"uniform; no measured workload is this low{window}): tune on your data with a "
+            f"higher topk_ratio (0.2-0.3) before relying on it, and train with {fresh}"
+            f"{unstable}")
 
 
 def plot_summary(s: dict, path, title: str = "") -> None:

@@ -76,7 +76,8 @@ def optimizer_stats(*, steps: int, backend: str, shard, link, pipeline, params: 
     """``ZenFlowOptimizer.stats()``: counters, link bytes each way, the device-owned share of
     elements, the bytes held on each side, host staging, host wait/busy seconds, and
     ``spread`` (``columns.spread.Spread.stats``: the first selection's share of the squared
-    gradient in the top 10% of columns, whether that is spread, whether the run went fresh).
+    gradient in the top 10% of columns, whether that is spread, the window travel, whether
+    that is far, whether the run went fresh).
     Reads; changes nothing."""
     multipliers = list(pipeline.multipliers.values())
     return dict(steps=steps, backend=backend, rank=shard.rank, world_size=shard.world,

@@ -214,7 +214,12 @@ def _add_inspect_parsers(sub: Any) -> None:
                          "the embedded tiny decoder LM")
     dg.add_argument("--steps", type=_pos_int, default=20)
     dg.add_argument("--topk-ratio", type=float, default=0.1)
-    dg.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    dg.add_argument("--lr", type=float, default=1e-4,
+                    help="AdamW learning rate: the (peak) lr you train at, which the verdict's "
+                         "window travel is judged at")
+    dg.add_argument("--update-interval", type=_pos_int, default=4,
+                    help="the update_interval you train with (the window travel's length; "
+                         "default: 4, the defaults')")
     dg.add_argument("--seed", type=int, default=0)
     dg.add_argument("--device", help="'cpu', 'cuda' (default: cuda if available)")
     dg.add_argument("--out", default=".", help="output directory (default: .)")

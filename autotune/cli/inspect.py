@@ -143,6 +143,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
     import torch
 
+    from zenflow_triton.columns.spread import window_travel
     from zenflow_triton.diagnostics import GradientDiagnostics, kind_table, verdict
 
     from ..training import WorkloadError, build_workload, smollm2
@@ -159,6 +160,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     except WorkloadError as e:
         raise UsageError(f"--workload: {e}") from e
     model = wl.model
+    # the weights as training starts (what the optimizer sees at its first selection)
+    travel = window_travel(model.named_parameters(), args.lr, args.update_interval)
     diag = GradientDiagnostics(model.named_parameters(), topk_ratio=args.topk_ratio)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     t0 = time.perf_counter()
@@ -176,7 +179,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     print()
     print(kind_table(diag.summary()))
     print()
-    print(verdict(diag.summary()))
+    print(verdict(diag.summary(), travel))
     try:
         diag.plot(out / "diagnostics.png", title=f"{name}: gradient concentration and "
                                                  f"top-{args.topk_ratio:.0%} stability")

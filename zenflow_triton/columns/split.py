@@ -5,11 +5,14 @@ indices that the migration uploaded)."""
 
 from __future__ import annotations
 
+import torch
+
 from ..config import ZenFlowConfig
 from ..state import MATRIX, classify
 from .layout import view2d
 from .migration import migrate_many
 from .selection import Move, plan_selection
+from .spread import peak_lr
 
 
 class ColumnSplit:
@@ -33,6 +36,7 @@ class ColumnSplit:
             self.spread.begin()  # an earlier plan of a step that then failed counts no more
             measure = self.spread.measure
             self._measure_whole(work, states)
+            self._weigh(matrices)
         moves, reads = plan_selection(matrices, states, self.ops, self.link, self.config,
                                       self.shard, also=flags, scores=scores, measure=measure)
         if check_step is not None:
@@ -54,6 +58,22 @@ class ColumnSplit:
             scores = self.shard.sum_rows(scores, "an all-reduce of the whole matrices' scores")
         for (p, _), s in zip(whole, scores):
             self.spread.measure(p, s)
+
+    def _weigh(self, matrices) -> None:
+        """The window travel's weights: each split matrix's squared norm (one fused norm per
+        device, summed over the ranks where its rows are split) and its group's peak lr."""
+        if not matrices:
+            return
+        by_device: dict = {}
+        for group, p, _ in matrices:
+            by_device.setdefault(p.device, []).append((group, p))
+        for items in by_device.values():
+            norms = torch._foreach_norm([p.detach() for _, p in items])
+            sumsq = torch.stack([n.float() for n in norms]).pow(2)
+            if self.shard is not None:
+                sumsq = self.shard.sum_rows([sumsq], "an all-reduce of the split weights' norms")[0]
+            for (group, p), s in zip(items, sumsq):
+                self.spread.weigh(p, peak_lr(group), s)
 
     def migrate(self, moves: list[Move]) -> int:
         """Carry out ``moves``; returns how many columns changed owner."""

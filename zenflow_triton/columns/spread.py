@@ -1,6 +1,15 @@
-"""Is the gradient spread over the columns? Measured once, at a run's first selection, from
-the same column scores the selection ranks (``plan_selection`` hands each matrix's scores to
-:meth:`Spread.measure`), and acted on by ``ZenFlowConfig.fresh_if_spread``.
+"""Is the gradient spread over the columns, and does a window travel far? Measured once, at
+a run's first selection, from the same column scores the selection ranks (``plan_selection``
+hands each matrix's scores to :meth:`Spread.measure`) and the split matrices' weights
+(:meth:`Spread.weigh`), and acted on by ``ZenFlowConfig.fresh_if_spread``.
+
+The window travel: ``update_interval`` x the lr / the split matrices' weight RMS, how far a
+window's steps move the weights against their size (Adam's step is about the lr per element,
+whatever the gradient's scale). A stale schedule applies a window's result computed from
+gradients the weights have since moved away from; over :data:`TRAVEL_LIMIT` the gradient has
+turned enough within a window for that to cost quality (``bench/convergence/drift.py``:
+on a fixed batch, Gemma 3 270M's gradient at lr 2e-5 keeps a cosine of 0.72 to its value
+four steps earlier, SmolLM2-135M's 0.99).
 
 The number: for each matrix of the model (every param of 2 or more dims and at least
 ``min_offload_numel`` elements: the split ones and those the dense set keeps whole, as
@@ -9,9 +18,9 @@ column under the default ``score="l2"``) in its top :data:`SPREAD_TOPK` of colum
 the run's own ``topk_ratio``; the element-weighted mean over the matrices. On the
 convergence study's first step the LMs (SmolLM2-135M, Gemma 3 270M) give 0.57-0.64, and the
 default schedule stays within 0.003 nats of AdamW on SmolLM2 (not on Gemma: +0.034, a
-loss this measure does not flag); the encoder classifiers give 0.27-0.44 (MiniLM-L6, its 3-layer
-cut, the 12-layer all-mpnet-base-v2), and there it lagged AdamW
-by up to 0.034 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
+loss this measure does not flag, the window travel does); the encoder classifiers give
+0.27-0.44 (MiniLM-L6, its 3-layer cut, the 12-layer all-mpnet-base-v2), and there it lagged
+AdamW by up to 0.034 nats and 2.6 points where ``host_betas="window"`` with ``apply_delay=1``
 stayed within about 0.011 nats (docs/quality.md, "Spread gradients"). Below
 :data:`SPREAD_SHARE` the run is "spread". It is a correlate measured on four models (two
 encoder and two decoder families), not the mechanism: the embeddings, the largest
@@ -42,8 +51,41 @@ SPREAD_TOPK = 0.1
 """The share of each matrix's columns whose score share is measured (the study's 10%)."""
 SPREAD_SHARE = 0.5
 """Below this share of the squared gradient in the top 10% of columns, a run is spread."""
+TRAVEL_LIMIT = 1e-3
+"""Above this window travel (``update_interval`` x lr / the split matrices' weight RMS) a
+stale schedule's windows are too long for the run's learning rate: SmolLM2-135M at lr 2e-5
+travels 4.1e-4 a window of 4 (the default schedule within 0.003 nats of AdamW), Gemma 3 270M
+at 2e-5 2.3e-3 (its weights' RMS is 0.034 against SmolLM2's 0.193; the default schedule
+0.034 nats behind AdamW), SmolLM2 at 1e-4 2.1e-3 (docs/quality.md, "The window's travel";
+bench/convergence/drift.py). Two decoders: evidence, not a law."""
 
 log = logging.getLogger("zenflow_triton")
+
+
+def peak_lr(group: dict) -> float:
+    """The learning rate a param group trains at: its ``lr``, or a scheduler's base where that
+    is larger (``initial_lr``, which torch's schedulers set; ``max_lr``, OneCycleLR's and
+    CyclicLR's peak): a first selection inside a warm-up sees a fraction of the peak."""
+    values = [group.get(k) for k in ("lr", "initial_lr", "max_lr")]
+    return max(float(v) for v in values if isinstance(v, (int, float, torch.Tensor)))
+
+
+def window_travel(named_params, lr: float, update_interval: int = 4,
+                  config: ZenFlowConfig | None = None) -> float | None:
+    """The window travel of a model's weights as they are, outside an optimizer (``zenflow-tune
+    diagnose``, the convergence scripts): ``update_interval`` x ``lr`` / the RMS of the
+    matrices ``config`` (default: the defaults) would split (2 or more dims, at least
+    ``min_offload_numel`` elements, not in the dense set by name); None without such a
+    matrix. The optimizer measures the same at its first selection, from its groups' lrs."""
+    config = config or ZenFlowConfig()
+    sumsq = numel = 0
+    for name, p in named_params:
+        if p.dim() >= 2 and p.numel() >= config.min_offload_numel and not config.is_dense(name):
+            sumsq += float(p.detach().double().pow(2).sum())
+            numel += p.numel()
+    if numel == 0 or sumsq <= 0:
+        return None
+    return update_interval * lr / float(np.sqrt(sumsq / numel))
 
 
 def _outside() -> int:
@@ -85,9 +127,14 @@ class Spread:
         """The measured share (None before the first selection, or with nothing to rank)."""
         self.fresh: bool = False
         """Whether ``fresh_if_spread`` switched this run to the fresh schedule."""
+        self.travel: float | None = None
+        """The window travel at the first selection: ``update_interval`` x the lr (the
+        element-weighted mean of the split matrices' groups' :func:`peak_lr`) / the split
+        matrices' weight RMS (None before, or with no split matrix)."""
         self.settled = False
         """Measured, or resumed from a state dict written before this measure existed."""
         self._parts: list[tuple[int, torch.Tensor]] = []
+        self._weights: list[tuple[int, float, torch.Tensor]] = []
 
     @property
     def pending(self) -> bool:
@@ -97,6 +144,13 @@ class Spread:
     def begin(self) -> None:
         """A plan starts: what an earlier one kept is dropped."""
         self._parts = []
+        self._weights = []
+
+    def weigh(self, p: torch.Tensor, lr: float, sumsq: torch.Tensor) -> None:
+        """One split matrix's squared weight norm (``sumsq``, a 1-element tensor summed over
+        the ranks where its rows are split) and its group's :func:`peak_lr`, kept on the
+        device until :meth:`settle`."""
+        self._weights.append((self.owner_of(p).numel(), lr, sumsq.reshape(1).float()))
 
     def measure(self, p: torch.Tensor, scores: torch.Tensor) -> None:
         """One matrix's column scores (summed over the ranks where they are split): its top
@@ -109,51 +163,74 @@ class Spread:
                                                            s.sum()])))
 
     def settle(self, config: ZenFlowConfig) -> ZenFlowConfig:
-        """After the first selection: the share from what :meth:`measure` kept (one copy to
-        the host per device), and the config the run trains with from now on: the fresh
-        schedule where the gradient is spread, ``fresh_if_spread`` is on and the config is
-        the stale default; else ``config``. A spread gradient under a stale schedule that
-        stays is warned about, once."""
+        """After the first selection: the share from what :meth:`measure` kept and the
+        window travel from what :meth:`weigh` kept (one copy to the host per device for
+        both), and the config the run trains with from now on: the fresh schedule where the
+        gradient is spread or a window travels far, ``fresh_if_spread`` is on and the config
+        is the stale default; else ``config``. A stale schedule that stays there is warned
+        about, once."""
         parts, self._parts = self._parts, []
+        weights, self._weights = self._weights, []
         if not self.pending or not parts:
             return config
-        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for n, pair in parts:
-            by_device.setdefault(pair.device, []).append((n, pair))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, pair in parts:
+            by_device.setdefault(pair.device, []).append(pair)
+        for _, _, sumsq in weights:
+            by_device.setdefault(sumsq.device, []).append(sumsq)
+        host = {d: iter(self.link.to_host(torch.cat([t.float() for t in ts])).numpy()
+                        .astype(np.float64).tolist()) for d, ts in by_device.items()}
         weight = total = 0.0
-        for items in by_device.values():
-            values = self.link.to_host(torch.stack([pair for _, pair in items])).numpy()
-            for (n, _), (top, whole) in zip(items, values.astype(np.float64)):
-                if whole > 0 and np.isfinite(whole):
-                    weight += n
-                    total += n * top / whole
+        for n, pair in parts:  # each device's values in the order they were appended
+            top, whole = next(host[pair.device]), next(host[pair.device])
+            if whole > 0 and np.isfinite(whole):
+                weight += n
+                total += n * top / whole
+        numel = lr_sum = sumsq_sum = 0.0
+        for n, lr, sumsq in weights:
+            numel += n
+            lr_sum += n * lr
+            sumsq_sum += next(host[sumsq.device])
         if weight == 0:  # every gradient zero: nothing to go by, ask again next selection
             return config
         self.share = float(total / weight)
+        self.travel = (float(config.update_interval * (lr_sum / numel) / np.sqrt(sumsq_sum / numel))
+                       if numel and sumsq_sum > 0 and np.isfinite(sumsq_sum) else None)
         self.settled = True
         return self.choose(config)
 
+    @property
+    def far(self) -> bool:
+        """The window travel is over :data:`TRAVEL_LIMIT`."""
+        return self.travel is not None and self.travel > TRAVEL_LIMIT
+
     def choose(self, config: ZenFlowConfig) -> ZenFlowConfig:
-        """The config for the measured :attr:`share` (see :meth:`settle`)."""
-        if self.share >= SPREAD_SHARE or not config.stale_default:
+        """The config for the measured :attr:`share` and :attr:`travel` (see :meth:`settle`)."""
+        spread = self.share < SPREAD_SHARE
+        if not (spread or self.far) or not config.stale_default:
             return config
+        why = []
+        if spread:
+            why.append(f"the gradient is spread ({self.share:.2f} of its squared norm in the top "
+                       f"10% of each matrix's columns, under {SPREAD_SHARE})")
+        if self.far:
+            why.append(f"a window travels far ({self.travel:.1e}: update_interval x lr / the "
+                       f"split weights' RMS, over {TRAVEL_LIMIT:g})")
         fresh = _freshened(config)
         if fresh is not None:
             self.fresh = True
-            log.info("the gradient is spread (%.2f of it in the top 10%% of "
-                     "columns, under %.1f): training with host_betas='window', "
-                     "apply_delay=1 (fresh_if_spread)", self.share, SPREAD_SHARE)
+            log.info("%s: training with host_betas='window', apply_delay=1 (fresh_if_spread)",
+                     " and ".join(why))
             return fresh
         warnings.warn(
-            f"ZenFlowOptimizer: the gradient is spread ({self.share:.2f} of its squared norm in "
-            f"the top 10% of each matrix's columns, under {SPREAD_SHARE}); on such fine-tunes "
-            "the default schedule (host_betas='step', each window's result applied a window "
-            "late) ended up to 0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
-            "'Spread gradients'), and this run keeps host_betas='step' with "
+            f"ZenFlowOptimizer: {' and '.join(why)}; on such fine-tunes the default schedule "
+            "(host_betas='step', each window's result applied a window late) ended up to "
+            "0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, 'Spread "
+            "gradients', 'The window's travel'), and this run keeps host_betas='step' with "
             f"apply_delay={config.effective_apply_delay}. For AdamW's quality pass "
-            "host_betas='window', apply_delay=1 (more "
-            "step time where the host is what a step waits for), or leave apply_delay unset "
-            "with fresh_if_spread=True; `zenflow-tune diagnose` measures it per layer",
+            "host_betas='window', apply_delay=1 (more step time where the host is what a step "
+            "waits for), or leave apply_delay unset with fresh_if_spread=True; "
+            "`zenflow-tune diagnose` measures it per layer",
             UserWarning, stacklevel=_outside())
         return config
 
@@ -163,6 +240,7 @@ class Spread:
         dict of a fresh optimizer, keys for keys)."""
         return {"settled": self.settled,
                 "share": float("nan") if self.share is None else self.share,
+                "travel": float("nan") if self.travel is None else self.travel,
                 "fresh": self.fresh}
 
     def restore(self, saved: Any) -> ZenFlowConfig:
@@ -173,17 +251,20 @@ class Spread:
         config = self.base
         self._parts = []
         self.fresh = False
-        self.share = None
+        self.share = self.travel = None
         self.settled = saved is NOT_SAVED
         if not isinstance(saved, dict) or not saved.get("settled"):
             return config
         self.settled = True
         share = float(saved.get("share", float("nan")))
         self.share = share if share == share else None
+        travel = float(saved.get("travel", float("nan")))  # absent before it was measured
+        self.travel = travel if travel == travel else None
         fresh = _freshened(config) if saved.get("fresh") else None
         self.fresh = fresh is not None
         return config if fresh is None else fresh
 
     def stats(self) -> dict[str, Any]:
         return {"share": self.share, "spread": None if self.share is None
-                else self.share < SPREAD_SHARE, "fresh": self.fresh}
+                else self.share < SPREAD_SHARE, "travel": self.travel,
+                "far": None if self.share is None else self.far, "fresh": self.fresh}
