@@ -184,9 +184,9 @@ def test_the_report_compares_each_learning_rate_with_adamw_at_that_rate():
 
 def test_the_defaults_report_takes_the_schedule_the_measured_share_picks():
     """``study.py --defaults``: per workload, the rows of the schedule fresh_if_spread picks
-    from the measured share (the fresh pair below 0.5, the default above), against AdamW on
-    the same seeds and issue 50's goals; the shipped defaults' own rows where they ran; the
-    noise floor (adamw-fused) beside."""
+    from the measured share (the fresh pair below 0.5, the default above) and the window travel
+    (the pair over 1e-3), against AdamW on the same seeds and issue 50's goals; the shipped
+    defaults' own rows where they ran; the noise floor (adamw-fused) beside."""
     def r(wl, opt, seed, loss, acc=None):
         final = {"loss": loss} if acc is None else {"loss": loss, "accuracy": acc}
         return dict(workload=wl, optimizer=opt, seed=seed, seconds=1.0, diverged=False,
@@ -204,12 +204,17 @@ def test_the_defaults_report_takes_the_schedule_the_measured_share_picks():
     energy = {"minilm": {"first_selection_share": 0.35},
               "smollm2": {"first_selection_share": 0.63},
               "minilm-rt": {"first_selection_share": 0.38}}
+    rms = {"minilm": 0.06, "smollm2": 0.19, "minilm-rt": 0.06}  # smollm2: 4.2e-4 at 2e-5
     lines = {ln.split("|")[1].strip(): ln for ln in
-             study.defaults_report(rows, energy).splitlines()[2:]}
+             study.defaults_report(rows, energy, rms).splitlines()[2:]}
     assert "| fresh pair | +0.0200, -0.5 pts | 0, 1 | loss 0.0100 past +0.01 |" in lines["minilm"]
     assert "+0.0100, +0.5 pts (0)" in lines["minilm"]  # the floor, seed 0 only
-    assert "| default | +0.0040 | 0 | yes |" in lines["smollm2"]
+    assert "| 0.630 | 4.2e-04 | default | +0.0040 | 0 | yes |" in lines["smollm2"]
     assert "| +0.0050, -0.4 pts | 0 | yes |" in lines["minilm-rt"]
+    # small weights for the lr: a far window, the pair's row (past +0.005)
+    assert "| 2.7e-03 | fresh pair | +7.0000 |" in study.defaults_report(
+        rows, energy, dict(rms, smollm2=0.03))
     energy["smollm2"]["first_selection_share"] = 0.45  # spread: the pair's row, past +0.005
-    assert "loss 6.9950 past +0.005" in study.defaults_report(rows, energy)
-    assert "smollm2" not in study.defaults_report(rows, {"minilm": energy["minilm"]})
+    assert "loss 6.9950 past +0.005" in study.defaults_report(rows, energy, rms)
+    assert "smollm2" not in study.defaults_report(rows, {"minilm": energy["minilm"]}, rms)
+    assert "smollm2" not in study.defaults_report(rows, energy, {"minilm": 0.06})

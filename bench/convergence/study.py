@@ -18,11 +18,11 @@ steps. Every ZenFlow run gets at least 25 host updates at the default step count
     python bench/convergence/study.py --report convergence.json --plot docs/img/convergence.png
 
 What the library's defaults give on every workload and learning rate of the study (the
-schedule ``fresh_if_spread`` picks from ``energy.py``'s measured share, against AdamW and
-issue 50's goals)::
+schedule ``fresh_if_spread`` picks from ``energy.py``'s measured share and the window travel
+from ``drift.py``'s weight RMS at the row's lr, against AdamW and issue 50's goals)::
 
     python bench/convergence/study.py --defaults bench/convergence/data/energy.json \\
-        --report bench/convergence/data/{convergence,widened,widened2,lr_sweep,lr_sweep_2e5}.json
+        --drift bench/convergence/data/drift.json --report bench/convergence/data/{convergence,widened,widened2,lr_sweep,lr_sweep_2e5}.json
 
 Rows already in ``--json`` are kept and not rerun. Output: a markdown table (final held-out
 loss and accuracy, mean of the seeds, difference to AdamW, wall time) and a PNG of held-out
@@ -146,29 +146,35 @@ def _gap(g: dict) -> str:
         "" if g["accuracy"] is None else f", {round(g['accuracy'], 1) + 0.0:+.1f} pts")
 
 
-def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
+def defaults_report(rows: list[dict], energy: dict[str, dict],
+                    weight_rms: dict[str, float]) -> str:
     """What the library's defaults give on every (workload, lr) of ``rows``: the schedule
     ``fresh_if_spread`` picks from the share the optimizer measured at its first selection
-    (``energy``: ``energy.py --json``'s workloads), its rows (those of the defaults as shipped
-    where they ran, else the picked schedule's, the same computation), against AdamW on the
-    same seeds and against issue 50's goals (the tuner's ``"default"`` quality bar); beside it,
+    (``energy``: ``energy.py --json``'s workloads) and the window travel at the row's lr
+    (``weight_rms``: workload -> its split matrices' weight RMS, ``drift.py --json``), its
+    rows (those of the defaults as shipped where they ran, else the picked schedule's, the
+    same computation), against AdamW on the same seeds and against issue 50's goals (the tuner's ``"default"`` quality bar); beside it,
     the gap of ``adamw-fused`` (AdamW through another kernel) where it ran: the noise floor
     of a paired comparison."""
     from autotune.realquality import bar_limits
-    from zenflow_triton.columns.spread import SPREAD_SHARE
+    from zenflow_triton.columns.spread import SPREAD_SHARE, TRAVEL_LIMIT
+    from zenflow_triton.config import ZenFlowConfig
 
     goals = bar_limits("default")
 
-    lines = ["| workload | lr | first-selection share | schedule | the defaults minus AdamW "
-             "| seeds | within issue 50's goals | noise floor (adamw-fused minus AdamW) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| workload | lr | first-selection share | window travel | schedule "
+             "| the defaults minus AdamW | seeds | within issue 50's goals "
+             "| noise floor (adamw-fused minus AdamW) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for wl, lr in _groups(rows):
         rs = [r for r in rows if r["workload"] == wl and _lr(r) == lr]
         ref = {r["seed"]: r["final"] for r in rs if r["optimizer"] == "adamw"}
         share = energy.get(wl, {}).get("first_selection_share")
-        if share is None or not ref:
+        if share is None or wl not in weight_rms or not ref:
             continue
-        picked = FRESH_PAIR if share < SPREAD_SHARE else DEFAULT_SCHEDULE
+        travel = ZenFlowConfig().update_interval * lr / weight_rms[wl]
+        picked = (FRESH_PAIR if share < SPREAD_SHARE or travel > TRAVEL_LIMIT
+                  else DEFAULT_SCHEDULE)
         got = _paired(rs, AS_SHIPPED, ref) or _paired(rs, picked, ref)
         if got is None:
             continue
@@ -183,7 +189,7 @@ def defaults_report(rows: list[dict], energy: dict[str, dict]) -> str:
         if not lm and round(got["accuracy"], 3) < goal["accuracy_pts"]:
             misses.append(f"accuracy {goal['accuracy_pts'] - got['accuracy']:.1f} pts past")
         lines.append(
-            f"| {wl} | {lr:g} | {share:.3f} | "
+            f"| {wl} | {lr:g} | {share:.3f} | {travel:.1e} | "
             f"{'fresh pair' if picked == FRESH_PAIR else 'default'} | {_gap(got)} "
             f"| {', '.join(map(str, got['seeds']))} | {'; '.join(misses) or 'yes'} "
             f"| {_gap(floor) + ' (' + ', '.join(map(str, floor['seeds'])) + ')' if floor else '-'} |")
@@ -250,12 +256,16 @@ def main(argv=None) -> int:
                     help="print the table of these --json files (their rows together)")
     ap.add_argument("--defaults", default=None, metavar="ENERGY_JSON",
                     help="with --report: the table of what the library's defaults give on "
-                         "each workload (fresh_if_spread's pick from energy.py's --json)")
+                         "each workload (fresh_if_spread's pick from energy.py's --json and "
+                         "--drift)")
+    ap.add_argument("--drift", default=None, metavar="DRIFT_JSON",
+                    help="with --defaults: drift.py's --json (each workload's weight RMS, "
+                         "for the window travel at each row's lr)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.defaults and not args.report:
-        ap.error("--defaults goes with --report")
+    if args.defaults and not (args.report and args.drift):
+        ap.error("--defaults goes with --report and --drift")
     rows: list[dict] = []
     for src in args.report or ([args.json] if args.json else []):
         if os.path.exists(src):
@@ -265,7 +275,10 @@ def main(argv=None) -> int:
             ap.error(f"--report: no such file: {src}")
     if args.defaults:
         with open(args.defaults) as f:
-            print(defaults_report(rows, json.load(f)["workloads"]))
+            energy = json.load(f)["workloads"]
+        with open(args.drift) as f:
+            weight_rms = {r["workload"]: r["weight_rms"] for r in json.load(f)["rows"].values()}
+        print(defaults_report(rows, energy, weight_rms))
         return 0
     t0 = time.perf_counter()
     if not args.report:
