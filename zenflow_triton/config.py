@@ -152,23 +152,22 @@ class ZenFlowConfig:
     ("The moments' horizon")."""
 
     fresh_if_spread: bool = True
-    """Measured once, at the first selection: (1) the share of the gradient's squared norm in
+    """Measured once, at the first selection: the share of the gradient's squared norm in
     the top 10% of the columns of every matrix of the model, split or kept whole by the
-    dense set (element-weighted mean, ``zenflow-tune diagnose``'s number); below 0.5 the
-    gradient is *spread* (the encoder fine-tunes where the stale default ended up to 0.034
-    nats and 2.6 accuracy points behind AdamW; docs/quality.md, "Spread gradients"); (2) the
-    *window travel*, ``update_interval`` x the lr (a scheduler's ``initial_lr`` where larger:
-    the peak, not a warm-up's fraction) / the split matrices' weight RMS; over 1e-3 a window
-    is *far*, its result stale for the weights' size (Gemma 3 270M at lr 2e-5: 2.3e-3, the
-    stale default 0.034 nats behind AdamW; SmolLM2-135M at 2e-5: 4.1e-4, within 0.003;
-    docs/quality.md, "The window's travel"). True: a spread gradient or a far window trains
-    with ``host_betas="window"`` and ``apply_delay=1``, fresher host columns for more step
-    time, where the config is that default (``host_betas="step"``, ``apply_delay`` None,
-    ``overlap``, ``update_interval`` > 1); otherwise the default stays. False: the config as
-    given. Either way a stale config that stays on a spread gradient or a far window is
-    warned about once. ``stats()["spread"]`` says what was measured and chosen
-    (``share``, ``spread``, ``travel``, ``far``, ``fresh``); a checkpoint carries it
-    (``columns.spread``)."""
+    dense set (element-weighted mean, ``zenflow-tune diagnose``'s number; ``columns.spread``).
+    Below 0.5 the gradient is spread (the encoder fine-tunes where the stale default ended up
+    to 0.034 nats and 2.6 accuracy points behind AdamW; docs/quality.md, "Spread gradients"),
+    and True then trains with ``host_betas="window"`` and ``apply_delay=1``, fresher host
+    columns for more step time, where the config is that default (``host_betas="step"``,
+    ``apply_delay`` None, ``overlap``, ``update_interval`` > 1); a concentrated gradient
+    (the LMs: 0.57-0.64) keeps it. False: the config as given. Either way a spread gradient
+    under a stale config is warned about once. Measured beside it, the *window travel*
+    (``update_interval`` x the lr, a scheduler's ``initial_lr`` where larger, / the split
+    matrices' weight RMS): over 1e-3 a stale config is warned about once, and kept (Gemma
+    3 270M at 2e-5 travels 2.3e-3, where the default lost 0.034 nats; SmolLM2-135M at 1e-4
+    2.1e-3, where it ended 0.008 ahead and the fresh pair 0.020 behind; docs/quality.md,
+    "The window's travel"). ``stats()["spread"]`` says what was measured and chosen
+    (``share``, ``spread``, ``travel``, ``far``, ``fresh``); a checkpoint carries it."""
 
     check_finite: bool = True
     """True: step() raises NonFiniteGradientError on a NaN/inf gradient before it changes any

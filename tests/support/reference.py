@@ -76,10 +76,8 @@ class ReferenceZenFlow:
         self.window_betas = host_betas == "window"
         # fresh_if_spread: at the first selection, a gradient with under half its squared
         # norm in the top 10% of each matrix's columns (element-weighted mean over the
-        # ranked matrices) switches the stale default to the window's betas and delay 1; so
-        # does a window that travels far: update_interval x the lr (the element-weighted mean
-        # of the split matrices' groups' lr, or their scheduler's initial_lr where larger) /
-        # the split matrices' weight RMS, over 1e-3
+        # ranked matrices) switches the stale default to the window's betas and delay 1 (a far
+        # window travel only warns)
         self.may_freshen = (fresh_if_spread and host_betas == "step" and apply_delay is None
                             and overlap and update_interval > 1)
         self.spread_share = None
@@ -176,13 +174,7 @@ class ReferenceZenFlow:
             n = sum(w for w, _ in self._shares)
             self.spread_share = sum(w * x for w, x in self._shares) / n
             self._shares = []
-            split = [(grp, self.st[id(p)]["w"]) for grp, p, _ in live if "dev" in self.st[id(p)]]
-            numel = sum(w.numel() for _, w in split)
-            lr = sum(w.numel() * max(grp["lr"], grp.get("initial_lr", 0.0))
-                     for grp, w in split) / numel
-            rms = math.sqrt(sum(float(w.double().pow(2).sum()) for _, w in split) / numel)
-            self.travel = self.ui * lr / rms
-            if self.may_freshen and (self.spread_share < 0.5 or self.travel > 1e-3):
+            if self.may_freshen and self.spread_share < 0.5:
                 self.window_betas, self.delay = True, 1
         for grp, p, g in live:
             s = self.st[id(p)]

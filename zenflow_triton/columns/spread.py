@@ -1,7 +1,8 @@
 """Is the gradient spread over the columns, and does a window travel far? Measured once, at
 a run's first selection, from the same column scores the selection ranks (``plan_selection``
 hands each matrix's scores to :meth:`Spread.measure`) and the split matrices' weights
-(:meth:`Spread.weigh`), and acted on by ``ZenFlowConfig.fresh_if_spread``.
+(:meth:`Spread.weigh`). A spread gradient is acted on by ``ZenFlowConfig.fresh_if_spread``;
+a far window under a stale schedule is warned about.
 
 The window travel: ``update_interval`` x the lr / the split matrices' weight RMS, how far a
 window's steps move the weights against their size (Adam's step is about the lr per element,
@@ -9,7 +10,7 @@ whatever the gradient's scale). A stale schedule applies a window's result compu
 gradients the weights have since moved away from; over :data:`TRAVEL_LIMIT` the gradient has
 turned enough within a window for that to cost quality (``bench/convergence/drift.py``:
 on a fixed batch, Gemma 3 270M's gradient at lr 2e-5 keeps a cosine of 0.72 to its value
-four steps earlier, SmolLM2-135M's 0.99).
+four steps earlier, SmolLM2-135M's 0.99), though not always: see :data:`TRAVEL_LIMIT`.
 
 The number: for each matrix of the model (every param of 2 or more dims and at least
 ``min_offload_numel`` elements: the split ones and those the dense set keeps whole, as
@@ -53,11 +54,13 @@ SPREAD_SHARE = 0.5
 """Below this share of the squared gradient in the top 10% of columns, a run is spread."""
 TRAVEL_LIMIT = 1e-3
 """Above this window travel (``update_interval`` x lr / the split matrices' weight RMS) a
-stale schedule's windows are too long for the run's learning rate: SmolLM2-135M at lr 2e-5
-travels 4.1e-4 a window of 4 (the default schedule within 0.003 nats of AdamW), Gemma 3 270M
-at 2e-5 2.3e-3 (its weights' RMS is 0.034 against SmolLM2's 0.193; the default schedule
-0.034 nats behind AdamW), SmolLM2 at 1e-4 2.1e-3 (docs/quality.md, "The window's travel";
-bench/convergence/drift.py). Two decoders: evidence, not a law."""
+stale schedule's window may be too long for the run's learning rate, and is warned about:
+SmolLM2-135M at lr 2e-5 travels 4.1e-4 a window of 4 (the default schedule within 0.003 nats
+of AdamW), Gemma 3 270M at 2e-5 2.3e-3 (its weights' RMS is 0.034 against SmolLM2's 0.193;
+the default schedule 0.034 nats behind AdamW, the fresh pair 0.012), SmolLM2 at 1e-4 2.1e-3
+(the default schedule 0.008 ahead, the fresh pair 0.020 behind: so a far window alone does
+not switch the schedule). docs/quality.md, "The window's travel"; bench/convergence/drift.py.
+Two decoders: evidence, not a law."""
 
 log = logging.getLogger("zenflow_triton")
 
@@ -166,9 +169,9 @@ class Spread:
         """After the first selection: the share from what :meth:`measure` kept and the
         window travel from what :meth:`weigh` kept (one copy to the host per device for
         both), and the config the run trains with from now on: the fresh schedule where the
-        gradient is spread or a window travels far, ``fresh_if_spread`` is on and the config
-        is the stale default; else ``config``. A stale schedule that stays there is warned
-        about, once."""
+        gradient is spread, ``fresh_if_spread`` is on and the config is the stale default;
+        else ``config``. A stale schedule that stays on a spread gradient or a far window is
+        warned about, once."""
         parts, self._parts = self._parts, []
         weights, self._weights = self._weights, []
         if not self.pending or not parts:
@@ -205,32 +208,40 @@ class Spread:
         return self.travel is not None and self.travel > TRAVEL_LIMIT
 
     def choose(self, config: ZenFlowConfig) -> ZenFlowConfig:
-        """The config for the measured :attr:`share` and :attr:`travel` (see :meth:`settle`)."""
+        """The config for the measured :attr:`share` (see :meth:`settle`); a far window under
+        a stale schedule is warned about (the schedule stays: the evidence is split)."""
         spread = self.share < SPREAD_SHARE
-        if not (spread or self.far) or not config.stale_default:
+        if not config.stale_default or not (spread or self.far):
             return config
-        why = []
-        if spread:
-            why.append(f"the gradient is spread ({self.share:.2f} of its squared norm in the top "
-                       f"10% of each matrix's columns, under {SPREAD_SHARE})")
-        if self.far:
-            why.append(f"a window travels far ({self.travel:.1e}: update_interval x lr / the "
-                       f"split weights' RMS, over {TRAVEL_LIMIT:g})")
+        keeps = (f"this run keeps host_betas='step' with "
+                 f"apply_delay={config.effective_apply_delay}")
+        if not spread:
+            warnings.warn(
+                f"ZenFlowOptimizer: a window travels far ({self.travel:.1e}: update_interval x "
+                f"lr / the split weights' RMS, over {TRAVEL_LIMIT:g}), so each host window's "
+                "result may be stale when it is applied: at such a travel the default schedule "
+                "ended 0.034 nats behind AdamW on Gemma 3 270M, and 0.008 ahead on "
+                "SmolLM2-135M at lr 1e-4 (docs/quality.md, 'The window's travel'); "
+                f"{keeps}. Where final quality matters more than step time, compare with "
+                "host_betas='window', apply_delay=1",
+                UserWarning, stacklevel=_outside())
+            return config
         fresh = _freshened(config)
         if fresh is not None:
             self.fresh = True
-            log.info("%s: training with host_betas='window', apply_delay=1 (fresh_if_spread)",
-                     " and ".join(why))
+            log.info("the gradient is spread (%.2f of it in the top 10%% of "
+                     "columns, under %.1f): training with host_betas='window', "
+                     "apply_delay=1 (fresh_if_spread)", self.share, SPREAD_SHARE)
             return fresh
         warnings.warn(
-            f"ZenFlowOptimizer: {' and '.join(why)}; on such fine-tunes the default schedule "
-            "(host_betas='step', each window's result applied a window late) ended up to "
-            "0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, 'Spread "
-            "gradients', 'The window's travel'), and this run keeps host_betas='step' with "
-            f"apply_delay={config.effective_apply_delay}. For AdamW's quality pass "
-            "host_betas='window', apply_delay=1 (more step time where the host is what a step "
-            "waits for), or leave apply_delay unset with fresh_if_spread=True; "
-            "`zenflow-tune diagnose` measures it per layer",
+            f"ZenFlowOptimizer: the gradient is spread ({self.share:.2f} of its squared norm in "
+            f"the top 10% of each matrix's columns, under {SPREAD_SHARE}); on such fine-tunes "
+            "the default schedule (host_betas='step', each window's result applied a window "
+            "late) ended up to 0.034 nats and 2.6 accuracy points behind AdamW (docs/quality.md, "
+            f"'Spread gradients'), and {keeps}. For AdamW's quality pass "
+            "host_betas='window', apply_delay=1 (more "
+            "step time where the host is what a step waits for), or leave apply_delay unset "
+            "with fresh_if_spread=True; `zenflow-tune diagnose` measures it per layer",
             UserWarning, stacklevel=_outside())
         return config
 
