@@ -183,8 +183,9 @@ def verdict(s: dict, travel: float | None = None) -> str:
     """One line from a :meth:`GradientDiagnostics.summary`: does the model suit ZenFlow, and
     which settings to train it with (thresholds: :data:`VERDICT_TOPK`, and
     ``columns.spread.SPREAD_SHARE``, the same line ``fresh_if_spread`` draws). ``travel``:
-    the window travel at the lr the user trains at (``columns.spread.window_travel``), over
-    ``TRAVEL_LIMIT`` a second reason for the fresh schedule, as the optimizer judges it."""
+    the window travel at the lr the user trains at (``columns.spread.window_travel``); over
+    ``TRAVEL_LIMIT`` on a concentrated gradient the verdict says a window may be stale and
+    names the fresh schedule to compare with (the optimizer's warning, in one line)."""
     o = s["overall"]
     share, overlap = o["energy_share"], o["overlap_prev"]
     if abs(s["topk_ratio"] - VERDICT_TOPK) > 1e-9:
