@@ -291,6 +291,23 @@ def test_hf_trainer_with_given_optimizer_and_warmup_schedule(tmp_path):
         opt.close()
 
 
+def test_trainer_kwargs_without_args_or_lr_says_which_lr_it_trains_at():
+    from zenflow_triton.hf import trainer_kwargs
+
+    model = tiny_llama()
+    with pytest.warns(UserWarning, match=r"neither TrainingArguments \(args\) nor lr=.*lr=1e-3"):
+        kw = trainer_kwargs(model, **ZF)
+    opt = kw["optimizers"][0]
+    assert opt.param_groups[0]["lr"] == 1e-3
+    opt.close()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an lr given: nothing to say
+        kw = trainer_kwargs(model, lr=2e-5, **ZF)
+    assert kw["optimizers"][0].param_groups[0]["lr"] == 2e-5
+    kw["optimizers"][0].close()
+
+
 def test_hf_trainer_builds_the_optimizer_from_cls_and_kwargs(tmp_path):
     # Trainer(optimizer_cls_and_kwargs=...) exists from transformers 4.47 (the [test] bound)
     steps = 20

@@ -90,6 +90,13 @@ def trainer_kwargs(model, args=None, *, profile: str | None = None,
                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     hyper.update({k: zenflow.pop(k) for k in ("lr", "weight_decay", "betas", "eps")
                   if k in zenflow})
+    if "lr" not in hyper:
+        # the Trainer's scheduler scales the optimizer's own lr: without args or lr= the run
+        # would train at ZenFlowOptimizer's default, not the TrainingArguments' learning_rate
+        warnings.warn("trainer_kwargs got neither TrainingArguments (args) nor lr=: the "
+                      "optimizer trains at ZenFlowOptimizer's default lr=1e-3, not your "
+                      "TrainingArguments.learning_rate; pass trainer_kwargs(model, args)",
+                      UserWarning, stacklevel=2)
 
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
