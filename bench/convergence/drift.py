@@ -32,6 +32,7 @@ from study import WORKLOADS  # noqa: E402
 from workloads import BUILDERS  # noqa: E402
 
 from zenflow_triton.config import ZenFlowConfig  # noqa: E402
+from zenflow_triton.state import MATRIX, classify  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LAGS = (1, 2, 4, 8)
@@ -51,10 +52,8 @@ def measure(workload: str, lr: float) -> dict:
     job = BUILDERS[workload](0, **options)
     model = job.model
     model.train()
-    dense = ZenFlowConfig().is_dense
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    split = [p for n, p in named if p.ndim == 2 and not dense(n)
-             and p.numel() >= ZenFlowConfig().min_offload_numel]
+    split = [p for n, p in named if classify(p, ZenFlowConfig(), n) == MATRIX]
     fixed, other = next(job.batches), next(job.batches)
     model.zero_grad(set_to_none=True)
     job.loss_fn(model, fixed).backward()

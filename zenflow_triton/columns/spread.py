@@ -80,10 +80,12 @@ def window_travel(named_params, lr: float, update_interval: int = 4,
     matrices ``config`` (default: the defaults) would split (2 or more dims, at least
     ``min_offload_numel`` elements, not in the dense set by name); None without such a
     matrix. The optimizer measures the same at its first selection, from its groups' lrs."""
+    from ..state import MATRIX, classify  # lazy: state imports this package
+
     config = config or ZenFlowConfig()
     sumsq = numel = 0
     for name, p in named_params:
-        if p.dim() >= 2 and p.numel() >= config.min_offload_numel and not config.is_dense(name):
+        if classify(p, config, name) == MATRIX:
             sumsq += float(p.detach().double().pow(2).sum())
             numel += p.numel()
     if numel == 0 or sumsq <= 0:
@@ -197,8 +199,9 @@ class Spread:
         if weight == 0:  # every gradient zero: nothing to go by, ask again next selection
             return config
         self.share = float(total / weight)
-        self.travel = (float(config.update_interval * (lr_sum / numel) / np.sqrt(sumsq_sum / numel))
-                       if numel and sumsq_sum > 0 and np.isfinite(sumsq_sum) else None)
+        rms = np.sqrt(sumsq_sum / numel) if numel else 0.0
+        self.travel = (float(config.update_interval * (lr_sum / numel) / rms)
+                       if rms > 0 and np.isfinite(rms) else None)
         self.settled = True
         return self.choose(config)
 
