@@ -22,7 +22,8 @@ schedule ``fresh_if_spread`` picks from ``energy.py``'s measured share, beside t
 travel from ``drift.py``'s weight RMS at the row's lr, against AdamW and issue 50's goals)::
 
     python bench/convergence/study.py --defaults bench/convergence/data/energy.json \\
-        --drift bench/convergence/data/drift.json --report bench/convergence/data/{convergence,widened,widened2,lr_sweep,lr_sweep_2e5}.json
+        --drift bench/convergence/data/drift.json \\
+        --report bench/convergence/data/{convergence,widened,widened2,lr_sweep,lr_sweep_2e5}.json
 
 Rows already in ``--json`` are kept and not rerun. Output: a markdown table (final held-out
 loss and accuracy, mean of the seeds, difference to AdamW, wall time) and a PNG of held-out
@@ -152,9 +153,10 @@ def defaults_report(rows: list[dict], energy: dict[str, dict],
     ``fresh_if_spread`` picks from the share the optimizer measured at its first selection
     (``energy``: ``energy.py --json``'s workloads), beside the window travel at the row's lr
     (``weight_rms``: workload -> its split matrices' weight RMS, ``drift.py --json``; over
-    the limit on the default schedule the optimizer warns), its rows (those of the defaults as shipped where they ran, else the picked schedule's, the
-    same computation), against AdamW on the same seeds and against issue 50's goals (the tuner's ``"default"`` quality bar); beside it,
-    the gap of ``adamw-fused`` (AdamW through another kernel) where it ran: the noise floor
+    the limit on the default schedule the optimizer warns), its rows (those of the defaults
+    as shipped where they ran, else the picked schedule's, the same computation), against
+    AdamW on the same seeds and against issue 50's goals (the tuner's ``"default"`` quality
+    bar); beside it, the gap of ``adamw-fused`` (AdamW through another kernel) where it ran: the noise floor
     of a paired comparison."""
     from autotune.realquality import bar_limits
     from zenflow_triton.columns.spread import SPREAD_SHARE, TRAVEL_LIMIT
