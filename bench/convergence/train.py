@@ -92,6 +92,10 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     # a hair (issue 50)
     "zenflow-adaptive-dense-x2-window-delay1": dict(host_lr_scale="adaptive", update_interval=2,
                                                     host_betas="window", apply_delay=1),
+    # a window of one step: every host-owned column gets its Adam step one step late (the
+    # result of step t lands at t + 1), the shortest window there is; one schedule (a window
+    # of one gradient has no horizon of its own, and its result cannot land sooner)
+    "zenflow-adaptive-dense-x1": dict(host_lr_scale="adaptive", update_interval=1),
     # torch's AdamW with fused=True: AdamW's arithmetic through another kernel (its results
     # differ from the for-loop's in the last bits). Its gap to "adamw" on the same seed is the
     # noise floor of a paired comparison, fp32 rounding amplified by training; not a ZenFlow
