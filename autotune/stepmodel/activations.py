@@ -1,6 +1,7 @@
 """Activation memory of one training step on the device, the fit check's other half.
 
-Per GPU, for ``tokens`` tokens per step in the model's dtype (``b`` bytes):
+Per GPU, for the ``tokens`` of one micro-batch (one forward and backward pass; the whole step
+without gradient accumulation) in the model's dtype (``b`` bytes):
 
 * a block (a layer with two or more weight matrices) kept whole for backward holds each
   matmul's input and output: ``tokens * sum(rows + cols of its matrices) * b``; norms,
@@ -43,7 +44,7 @@ def vocab_and_hidden(wl: Workload) -> tuple[int, int]:
 
 def activation_bytes(wl: Workload, recompute: bool = True) -> dict[str, float]:
     """The step's activation bytes on one GPU, by part (module docstring)."""
-    b, t = wl.param_bytes, wl.tokens
+    b, t = wl.param_bytes, wl.micro_tokens
     vocab, hidden = vocab_and_hidden(wl)
     whole = [t * b * sum(p.shape[0] + p.cols for p in layer.params if len(p.shape) == 2)
              for layer in _blocks(wl)]

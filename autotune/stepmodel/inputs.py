@@ -498,7 +498,11 @@ def _build_preset(a: Mapping[str, Any], seq: int) -> tuple[Layer, ...]:
 # ---- workload: what one GPU trains per step ----------------------------------------------
 @dataclass(frozen=True)
 class Workload:
-    """What one GPU trains per optimizer step. ``tokens`` is per GPU per step."""
+    """What one GPU trains per optimizer step. ``tokens`` is per GPU per optimizer step (the
+    compute of a step); ``micro_batch_tokens`` the tokens it holds activations for at once
+    (None: the whole step in one pass). A step of ``tokens`` runs ``micro_batches`` forward
+    and backward passes (gradient accumulation), the last one shorter where the micro-batch
+    does not divide the step."""
 
     name: str
     layers: tuple[Layer, ...]
@@ -509,14 +513,30 @@ class Workload:
     recompute: bool = True
     """Full activation recompute (checkpointing): what the activation memory assumes
     (``activations.activation_bytes``)."""
+    micro_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
             raise StepModelError(f"tokens must be an int >= 1, got {self.tokens!r}")
+        m = self.micro_batch_tokens
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool)
+                              or not 1 <= m <= self.tokens):
+            raise StepModelError(f"micro_batch_tokens must be an int in [1, tokens="
+                                 f"{self.tokens}], got {m!r}")
         if not (isinstance(self.mfu, (int, float)) and 0 < self.mfu <= 1):
             raise StepModelError(f"mfu must be in (0, 1], got {self.mfu!r}")
         if self.dtype not in DTYPE_BYTES:
             raise StepModelError(f"dtype must be one of {list(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens of one forward and backward pass: what the activations are held for."""
+        return self.micro_batch_tokens or self.tokens
+
+    @property
+    def micro_batches(self) -> int:
+        """Forward and backward passes per optimizer step (1: no gradient accumulation)."""
+        return -(-self.tokens // self.micro_tokens)
 
     @property
     def params(self) -> list[ParamSpec]:

@@ -53,6 +53,7 @@ class Costs:
     BL_up: float                    # B/s host to device ("link-up"), the other way idle
     R: float                        # host AdamW elements/s for this process
     contention: dict[str, float]    # per link lane: rate kept while the other way is busy
+    micro: int = 1                  # forward/backward passes per optimizer step
 
 
 def gpu_costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
@@ -73,7 +74,7 @@ def gpu_costs(hw: Hardware, wl: Workload, gpus: int, min_offload_numel: int,
     return Costs(gpus, gpus if sharding == "fsdp2" else 1, tuple(fwd), tuple(bwd),
                   tuple(matrix), float(small), float(wl.numel),
                   wl.param_bytes, hw.device_memory_bandwidth, hw.d2h, hw.h2d,
-                  hw.host_rate(gpus), hw.link_contention())
+                  hw.host_rate(gpus), hw.link_contention(), wl.micro_batches)
 
 
 def zenflow_split(wl: Workload, cfg: Any) -> tuple[float, float, float]:
@@ -221,17 +222,45 @@ def _small_adam(c: Costs) -> float:
     return c.small / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm
 
 
+
+
+def offload_micro_batches(L: Lanes, c: Costs, F: float, B: float,
+                          before_first_backward: float = 0.0) -> None:
+    """The forward and backward passes of one optimizer step under DeepSpeed's ZeRO-1/2
+    offload (``stage_1_and_2.py``, ``async_accumulate_grad_in_cpu_via_gpu``): the gradient
+    sum of the micro-batches so far lives in pinned host memory in the param dtype; during
+    each backward after the first, that sum is copied up and added on the device, and during
+    each backward before the last, the new sum is copied back down; the device waits for
+    those copies at the end of the backward (the next backward reuses the buffer). One
+    micro-batch: no copies here (the step's fp32 copy follows the last backward)."""
+    M, P = c.micro, sum(c.matrix) / c.n_gpus
+    for j in range(M):
+        L.run("device", F / M, "forward")
+        in_backward = L.run("device", 0.0, "wait", [before_first_backward] if j == 0 else [])
+        L.run("device", B / M, "backward")
+        t = in_backward
+        if j > 0:
+            t = L.run("link-up", P * c.b / c.BL_up, "gradient sum up", [t])
+        if j < M - 1:
+            t = L.run("link-down", P * c.b / c.BL_down, "gradient sum down", [t])
+        if M > 1:
+            L.run("device", 0.0, "wait", [t])
+
+
 def zero_offload(c: Costs, K: int):
-    """Synchronous: backward, device AdamW of the small params, gradient down, host AdamW of
-    every offloaded element, params up, then the next forward."""
+    """Synchronous: the micro-batches' forward and backward (:func:`offload_micro_batches`),
+    device AdamW of the small params, the gradient down (in the param dtype: DeepSpeed
+    sends it in fp32, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``, so the model
+    favours the peer by half a gradient's bytes; it is also this library's own ZeRO-Offload
+    mode, ``topk_ratio=0, update_interval=1, overlap=False``, which sends the param dtype), host AdamW of every offloaded
+    element, params up, then the next step's forward."""
     P = sum(c.matrix) / c.n_gpus
     F, B, small = sum(c.fwd), sum(c.bwd), _small_adam(c)
     down, up, host = P * c.b / c.BL_down, P * c.b / c.BL_up, P / c.R
 
     def body(L: Lanes, w: int, i: int) -> float:
         start = L.free["device"]
-        L.run("device", F, "forward")
-        L.run("device", B, "backward")
+        offload_micro_batches(L, c, F, B)
         t = L.run("device", small, "AdamW small params (device)")
         t = L.run("link-down", down, "grads down", [t])
         t = L.run("host", host, "host AdamW", [t])
@@ -244,17 +273,16 @@ def zero_offload(c: Costs, K: int):
 
 def zero_offload_dpu(c: Costs, K: int):
     """One-step delayed parameter update (DeepSpeed's DPU): step t's host step overlaps step
-    t+1's compute; step t+2's forward waits for step t's params, step t+1's backward for
-    step t's gradient copy (the gradient buffer is reused)."""
+    t+1's compute; step t+2's forward waits for step t's params, step t+1's first backward
+    for step t's gradient copy (the gradient buffer is reused); micro-batches as in
+    :func:`offload_micro_batches`."""
     P = sum(c.matrix) / c.n_gpus
     F, B, small = sum(c.fwd), sum(c.bwd), _small_adam(c)
     down, up, host = P * c.b / c.BL_down, P * c.b / c.BL_up, P / c.R
     def body(L: Lanes, w: int, i: int) -> float:
         m = L.marks  # "up-2": params of two steps back up; "down-1": last gradient copied
         start = L.run("device", 0.0, "wait", [m.get("up-2", 0.0)])
-        L.run("device", F, "forward")
-        L.run("device", 0.0, "wait", [m.get("down-1", 0.0)])
-        L.run("device", B, "backward")
+        offload_micro_batches(L, c, F, B, before_first_backward=m.get("down-1", 0.0))
         t = L.run("device", small, "AdamW small params (device)")
         t = L.run("link-down", down, "grads down", [t])
         m["down-1"] = t
@@ -344,7 +372,7 @@ def zenflow(c: Costs, K: int, wl: Workload, cfg: Any, prefetch_result: bool):
     return lanes_starts, _reselection_drain(z, K, cfg), {
         "device_owned_elements": e_dev, "host_owned_elements": e_host,
         "link_down_per_window": (z.h * (b if z.windowed else g) if not z.on_host
-                                 else K * z.h * g),
+                                 else K * z.h * g * (z.M if z.streams else 1)),
         "link_up_per_window": z.h * b}
 
 
@@ -353,8 +381,9 @@ class _ZenFlowTasks:
     """One GPU's ZenFlow step: the duration (s) of each task, and which tasks there are."""
 
     h: float                # this rank's host-owned elements
-    F: float                # forward, backward
+    F: float                # forward, backward (all micro-batches of a step)
     B: float
+    M: int                  # micro-batches per step
     windowed: bool          # a window of several steps with host-owned elements
     on_host: bool           # accumulate_on="host"
     streams: bool           # stream_grads: the host columns go down during backward
@@ -379,13 +408,15 @@ def _zenflow_tasks(c: Costs, K: int, e_dev: float, e_host: float, cfg: Any) -> _
     a = DTYPE_BYTES[cfg.accumulator_dtype]
     h = e_host / n                                  # this rank's host-owned elements
     windowed = K > 1 and h > 0
-    on_host = windowed and cfg.accumulate_on == "host"
+    streams = bool(cfg.stream_grads) and h > 0
+    # summed on the host: a window's steps, or (streamed) a step's micro-batches
+    on_host = (windowed and cfg.accumulate_on == "host") or (streams and c.micro > 1)
     selects = 0 < cfg.topk_ratio < 1
     # Under FSDP2 this GPU updates, scores and scatters its own rows only (c.shard = N);
     # under DDP every GPU does the whole device half and scatters every gathered row.
     return _ZenFlowTasks(
-        h=h, F=sum(c.fwd), B=sum(c.bwd), windowed=windowed, on_host=on_host, selects=selects,
-        streams=bool(cfg.stream_grads) and h > 0,
+        h=h, F=sum(c.fwd), B=sum(c.bwd), M=c.micro, windowed=windowed, on_host=on_host,
+        selects=selects, streams=streams,
         dev_update=(c.small + e_dev) / c.shard * DEVICE_ADAMW_BYTES_PER_ELEMENT / c.Bm,
         score=(sum(c.matrix) / c.shard * g / c.Bm / cfg.effective_select_interval
                if selects else 0.0),
@@ -407,8 +438,17 @@ def _zenflow_body(z: _ZenFlowTasks, K: int, cfg: Any, prefetch_result: bool):
     def body(L: Lanes, w: int, i: int) -> float:
         state = L.marks
         start = L.free["device"]
-        in_backward = L.run("device", z.F, "forward")
-        L.run("device", z.B, "backward")
+        # micro-batches before the step's last: autograd sums .grad on the device, or
+        # (streamed) each backward sends its host columns down and the host adds them up
+        for _ in range(z.M - 1):
+            in_backward = L.run("device", z.F / z.M, "forward")
+            L.run("device", z.B / z.M, "backward")
+            if z.streams:
+                L.run("device", z.gather, "gather host columns")
+                d = L.run("link-down", z.down_step, "grads down", [in_backward])
+                state["last_add"] = L.run("host", z.host_add, "host accumulate", [d])
+        in_backward = L.run("device", z.F / z.M, "forward")
+        L.run("device", z.B / z.M, "backward")
         t = L.run("device", z.dev_update, "selective AdamW (device)")
         # streamed: each matrix's host columns leave as backward makes them
         copy_from = in_backward if z.streams else None

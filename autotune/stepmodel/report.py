@@ -29,7 +29,8 @@ def markdown_table(preds: Mapping[str, Prediction], baseline: str = "zero-offloa
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, p in preds.items():
         t = p.modelled_step_time_s
-        step = f"{t:.3f}" if p.fits else f"({t:.3f}) does not fit"
+        step = ("does not run" if t is None else f"{t:.3f}" if p.fits
+                else f"({t:.3f}) does not fit")
         speed = f"{base_t / t:.2f}x" if base_t and t and p.fits else "-"
         stall = "-" if p.stall_fraction is None else f"{p.stall_fraction:.0%}"
         hb = "-" if p.host_busy_fraction is None else f"{p.host_busy_fraction:.0%}"

@@ -10,8 +10,9 @@ from typing import Any, Sequence
 
 from .inputs import (DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SETTING_KEYS, SHARDINGS,
                      Hardware, StepModelError, Workload, zenflow_config)
-from .modes import (adamw, gpu_costs, memory_use, overlapped_offload, state_bytes, state_swap,
-                    zenflow, zenflow_split, zero_offload, zero_offload_dpu)
+from .modes import (adamw, gpu_costs, memory_use, overlapped_offload,
+                    state_bytes, state_swap, zenflow, zenflow_split, zero_offload,
+                    zero_offload_dpu)
 from .activations import activation_bytes
 from .timeline import Prediction, steady_window
 
@@ -60,10 +61,19 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
         if gpus > 1 and sharding == "ddp":
             notes.append("optimizer state sharded over the GPUs (ZeRO-1/2); its all-gather "
                          "is not modelled")
-    elif mode == "zero-offload":
-        (lanes, starts), down_b, up_b = zero_offload(c, K), P * c.b, P * c.b
-    elif mode == "zero-offload-dpu":
-        (lanes, starts), down_b, up_b = zero_offload_dpu(c, K), P * c.b, P * c.b
+    elif mode in ("zero-offload", "zero-offload-dpu"):
+        graph = zero_offload if mode == "zero-offload" else zero_offload_dpu
+        # the gradient sum's round trips between micro-batches, then the gradient down
+        down_b = P * c.b + (c.micro - 1) * P * c.b
+        (lanes, starts), up_b = graph(c, K), P * c.b + (c.micro - 1) * P * c.b
+        if c.micro > 1:
+            notes.append(f"{c.micro} micro-batches of {wl.micro_tokens} tokens: the gradient "
+                         "sum goes up and back down over the link during each backward "
+                         "(DeepSpeed keeps it in pinned host memory)")
+    elif mode == "overlapped-offload" and c.micro > 1:
+        return _refused(hw, wl, mode, K, "steps inside backward cannot accumulate gradients "
+                        f"over {c.micro} micro-batches (torchtune's optimizer-in-backward "
+                        "refuses gradient accumulation)")
     elif mode == "overlapped-offload":
         (lanes, starts), down_b, up_b = overlapped_offload(c, K), P * c.b, P * c.b
     elif mode == "state-swap":
@@ -96,7 +106,7 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     dev_fits = hw.device_memory_bytes is None or dev_bytes <= hw.usable_device_bytes
     if not dev_fits:
         notes.append(f"does not fit: needs {dev_bytes / 1e9:.1f} GB of device memory "
-                     f"(activations of {wl.tokens} tokens included), the device has "
+                     f"(activations of {wl.micro_tokens} tokens included), the device has "
                      f"{hw.device_memory_bytes / 1e9:.0f} GB, {hw.usable_device_bytes / 1e9:.1f} "
                      "usable")
     node_host = host_bytes * procs  # the node's GPU processes share its memory
@@ -114,6 +124,17 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
         device_memory_bytes=dev_bytes, host_memory_bytes=host_bytes, fits=fits,
         modelled_step_time_s=step, window_steps=K, window_time_s=window, timeline=segs,
         memory=mem, settings=out_settings, notes=notes)
+
+
+def _refused(hw: Hardware, wl: Workload, mode: str, K: int, why: str) -> Prediction:
+    """A mode that cannot run this workload at all (not a memory question): no time, no
+    memory, the reason as its note."""
+    return Prediction(mode=mode, step_time_s=None, stall_fraction=None, link_bytes_per_step=0.0,
+                      link_down_bytes_per_step=0.0, link_up_bytes_per_step=0.0,
+                      host_busy_fraction=None, device_memory_bytes=0, host_memory_bytes=0,
+                      fits=False, modelled_step_time_s=None, window_steps=K, window_time_s=0.0,
+                      timeline=[], memory={"device": {}, "host": {}}, settings=None,
+                      notes=[f"does not run: {why}"])
 
 
 def predict_all(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,

@@ -98,7 +98,7 @@ class Prediction:
     device_memory_bytes: int
     host_memory_bytes: int
     fits: bool
-    modelled_step_time_s: float
+    modelled_step_time_s: float | None    # None: the mode cannot run this workload at all
     window_steps: int
     window_time_s: float
     timeline: list[Segment]

@@ -1,0 +1,119 @@
+"""The step model at the batch users train with: micro-batches (what the device holds
+activations for at once) and tokens per optimizer step (the compute of a step), each mode's
+gradient accumulation as its code runs it, worked by hand on one-layer workloads."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotune import stepmodel as S
+from autotune.stepmodel.modes import zenflow_split
+
+
+def hw(**kw) -> S.Hardware:
+    base = dict(name="test", device_flops=1e12, device_memory_bandwidth=1e11,
+                link_bandwidth=1e9, device_memory_bytes=None, host_adam_elements_per_s=1e9,
+                accelerators_per_node=8)
+    base.update(kw)
+    return S.Hardware(**base)
+
+
+def one_layer(tokens=120, micro=None, small=1000) -> S.Workload:
+    params = (S.ParamSpec("w", (1000, 2000)),) + ((S.ParamSpec("b", (small,)),) if small else ())
+    return S.Workload("one", (S.Layer("l0", params, 6 * 2e6),), tokens=tokens, mfu=0.5,
+                      micro_batch_tokens=micro)
+
+
+def test_micro_batches_count_the_passes_of_a_step():
+    assert one_layer(120).micro_batches == 1
+    assert one_layer(120, micro=40).micro_batches == 3
+    assert one_layer(120, micro=50).micro_batches == 3      # 50 + 50 + 20
+    assert one_layer(120, micro=40).micro_tokens == 40
+    for bad in (0, 121, 2.5, True):
+        with pytest.raises(S.StepModelError, match="micro_batch_tokens"):
+            one_layer(120, micro=bad)
+
+
+def test_activations_are_those_of_one_micro_batch():
+    step = S.activation_bytes(one_layer(120, micro=40))
+    assert step == S.activation_bytes(one_layer(40))
+    assert step != S.activation_bytes(one_layer(120))
+
+
+@pytest.mark.parametrize("mode", ["adamw", "state-swap"])
+def test_modes_that_sum_on_the_device_take_the_compute_of_the_whole_step(mode):
+    """AdamW and state-swap: autograd sums the micro-batches' gradients in .grad on the
+    device; the optimizer runs once per step, so only the compute is spread."""
+    one = S.predict(hw(), one_layer(120), mode, update_interval=1)
+    three = S.predict(hw(), one_layer(120, micro=40), mode, update_interval=1)
+    assert three.step_time_s == pytest.approx(one.step_time_s, rel=1e-12)
+    assert three.link_bytes_per_step == one.link_bytes_per_step
+
+
+@pytest.mark.parametrize("M", [1, 2, 3])
+def test_zero_offload_sends_the_gradient_sum_up_and_down_during_each_backward(M):
+    """DeepSpeed ZeRO-1/2 offload keeps the micro-batches' gradient sum in pinned host
+    memory: each backward after the first brings it up, each before the last sends the new
+    sum down; the device waits for them at the end of that backward. Then the step as with
+    one micro-batch."""
+    h, wl = hw(), one_layer(120, micro=120 // M)
+    p = S.predict(h, wl, "zero-offload", update_interval=1)
+    C = 6 * 2e6 * 120 / (0.5 * 1e12)
+    F, B = C / 3, 2 * C / 3
+    x = 2e6 * 2 / 1e9                       # one bf16 gradient over the 1 GB/s link
+    small, host = 1000 * 28 / 1e11, 2e6 / 1e9
+    passes = 0.0
+    for j in range(M):
+        link = x * ((j > 0) + (j < M - 1))  # up the sum (after the first), down (before last)
+        passes += F / M + max(B / M, link)
+    assert p.step_time_s == pytest.approx(passes + small + x + host + x, rel=1e-12)
+    assert p.link_down_bytes_per_step == M * 2e6 * 2
+    assert p.link_up_bytes_per_step == M * 2e6 * 2
+
+
+def test_many_micro_batches_hide_the_delayed_host_update():
+    """With a one-step delayed update the host AdamW runs beside the next step: once a
+    step's compute exceeds it, the host is hidden and the step is compute and the gradient
+    sum's round trips (shorter than a backward here)."""
+    h = hw(host_adam_elements_per_s=2e8,    # a 10 ms host job; a 0.4 ms gradient copy
+           link_bandwidth=1e10)
+    short = S.predict(h, one_layer(120), "zero-offload-dpu", update_interval=1)
+    long = S.predict(h, one_layer(120 * 64, micro=120), "zero-offload-dpu", update_interval=1)
+    assert short.stall_fraction > 0.5
+    assert long.stall_fraction < short.stall_fraction / 4
+
+
+def test_steps_inside_backward_refuse_accumulation():
+    p = S.predict(hw(), one_layer(120, micro=60), "overlapped-offload", update_interval=1)
+    assert not p.fits and p.step_time_s is None and p.modelled_step_time_s is None
+    assert "accumulate" in p.notes[0]
+    assert S.predict(hw(), one_layer(120), "overlapped-offload", update_interval=1).fits
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_zenflow_link_bytes_per_step_by_where_the_window_is_summed(M):
+    """Device accumulation: the window's mean goes down once a window (bf16). Host
+    accumulation: the host columns of .grad go down once a step, however many micro-batches
+    autograd summed. Streaming: every backward sends its host columns down."""
+    wl = one_layer(120, micro=120 // M, small=0)
+    k = zenflow_split(wl, S.zenflow_config(topk_ratio=0.1))
+    hb = k[1] * 2                            # host-owned elements, bf16
+    base = dict(topk_ratio=0.1, update_interval=4, dense_params=())
+    dev = S.predict(hw(), wl, "zenflow", **base, accumulate_on="device")
+    host = S.predict(hw(), wl, "zenflow", **base, accumulate_on="host")
+    stream = S.predict(hw(), wl, "zenflow", **base, accumulate_on="host", stream_grads=True)
+    assert dev.link_down_bytes_per_step == pytest.approx(hb / 4)
+    assert host.link_down_bytes_per_step == pytest.approx(hb)
+    assert stream.link_down_bytes_per_step == pytest.approx(M * hb)
+    for p in (dev, host, stream):            # the result goes up once a window
+        assert p.link_up_bytes_per_step == pytest.approx(hb / 4)
+
+
+def test_streamed_micro_batches_send_before_the_step_ends():
+    """Streamed, a step of several micro-batches puts each backward's host columns on the
+    link and the host accumulator, one transfer and one add per micro-batch."""
+    wl = one_layer(120, micro=30, small=0)
+    p = S.predict(hw(), wl, "zenflow", topk_ratio=0.1, update_interval=2, dense_params=(),
+                  accumulate_on="host", stream_grads=True)
+    adds = [s for s in p.timeline if s.label == "host accumulate"]
+    assert len(adds) == 2 * 4                # two steps of four micro-batches
