@@ -123,7 +123,8 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
         link_up_bytes_per_step=up_b, host_busy_fraction=host_busy if fits else None,
         device_memory_bytes=dev_bytes, host_memory_bytes=host_bytes, fits=fits,
         modelled_step_time_s=step, window_steps=K, window_time_s=window, timeline=segs,
-        memory=mem, settings=out_settings, notes=notes)
+        memory=mem, settings=out_settings, notes=notes, micro_batch_tokens=wl.micro_tokens,
+        micro_batches=wl.micro_batches)
 
 
 def _refused(hw: Hardware, wl: Workload, mode: str, K: int, why: str) -> Prediction:
@@ -134,7 +135,8 @@ def _refused(hw: Hardware, wl: Workload, mode: str, K: int, why: str) -> Predict
                       host_busy_fraction=None, device_memory_bytes=0, host_memory_bytes=0,
                       fits=False, modelled_step_time_s=None, window_steps=K, window_time_s=0.0,
                       timeline=[], memory={"device": {}, "host": {}}, settings=None,
-                      notes=[f"does not run: {why}"])
+                      notes=[f"does not run: {why}"], micro_batch_tokens=wl.micro_tokens,
+                      micro_batches=wl.micro_batches)
 
 
 def predict_all(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,

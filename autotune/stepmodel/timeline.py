@@ -105,6 +105,8 @@ class Prediction:
     memory: dict[str, dict[str, float]]
     settings: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    micro_batch_tokens: int | None = None  # tokens of one forward and backward pass
+    micro_batches: int = 1                 # passes per optimizer step
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form of ``zenflow-tune predict --json``."""
