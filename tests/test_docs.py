@@ -234,6 +234,24 @@ def test_the_configuration_page_has_every_field():
     assert not missing, f"docs/configuration.md has no row for {missing}"
 
 
+def test_the_configuration_page_has_every_stats_key():
+    import torch
+
+    from zenflow_triton import ZenFlowOptimizer
+
+    lin = torch.nn.Linear(128, 64)
+    opt = ZenFlowOptimizer(lin.named_parameters(), lr=1e-3)
+    lin(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    keys = set(opt.stats())
+    opt.close()
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    table = text[text.index("## `stats()`"):]
+    documented = {k for row in re.findall(r"^\| (`[^|]*`) \|", table, re.M)
+                  for k in re.findall(r"`(\w+)`", row)}
+    assert keys <= documented, f"docs/configuration.md's stats() table lacks {keys - documented}"
+
+
 def test_the_cli_page_has_every_command_and_option():
     import argparse
 
