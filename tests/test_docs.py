@@ -5,7 +5,8 @@
 * the pages carry no issue numbers, no "session" words or ordinal counts of work periods, and
   no dates of change (the dated research log, bench/convergence/NOTES.md, is exempt);
 * the README stays within its budget of 200 lines;
-* every shell command shown to a user (a line of a ```bash / ```sh / ```console block) is
+* every shell command shown to a user (a line of a ```bash / ```sh / ```console or unlabeled
+  block) is
   either run by a named test (``RUN_BY``) or listed as a command no test runs, with the
   reason (``NOT_RUN``: benchmarks, studies, installs): a newly documented command must be
   registered, and a registry entry nobody documents any more is stale;
@@ -115,7 +116,7 @@ def forbidden_words(page: Path) -> list[str]:
 
 # ---- the commands a user is shown ------------------------------------------------------------
 
-SHELL_BLOCKS = {"bash", "sh", "console", "shell", "shell-session"}
+SHELL_BLOCKS = {"bash", "sh", "console", "shell", "shell-session", ""}  # "": an unlabeled block
 COMMAND_WORDS = ("python", "zenflow-tune", "bash", "torchrun", "pip", "pytest", "accelerate")
 
 # command prefix -> the test that runs it (file::function). The longest matching prefix of
