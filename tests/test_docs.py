@@ -5,13 +5,12 @@
 * the pages carry no issue numbers, no "session" words or ordinal counts of work periods, and
   no dates of change (the dated research log, bench/convergence/NOTES.md, is exempt);
 * the README stays within its budget of 200 lines;
-* every shell command shown to a user (a line of a ```bash / ```sh / ```console or unlabeled
-  block) is
-  either run by a named test (``RUN_BY``) or listed as a command no test runs, with the
-  reason (``NOT_RUN``: benchmarks, studies, installs): a newly documented command must be
-  registered, and a registry entry nobody documents any more is stale;
-* the reference pages cover what they claim: every ``ZenFlowConfig`` field, every
-  ``zenflow-tune`` subcommand and option.
+* every shell command shown to a user (a line of a ```bash / ```sh / ```console or an
+  unlabeled block) is either run by a named test (``RUN_BY``) or listed as a command no test
+  runs, with the reason (``NOT_RUN``: benchmarks, studies, installs): a newly documented
+  command must be registered, and a registry entry nobody documents any more is stale;
+* the reference pages cover what they claim: every ``ZenFlowConfig`` field, every key of
+  ``stats()``, every ``zenflow-tune`` subcommand and option.
 """
 
 from __future__ import annotations
