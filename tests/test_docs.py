@@ -145,7 +145,6 @@ RUN_BY = {
 }
 NOT_RUN = {
     "python bench/": "a benchmark or a study script (bench/): minutes to hours, not CI",
-    "HF_HUB_OFFLINE=1 python bench/": "a benchmark or a study script (bench/)",
     "pip install": "installs packages",
     "bash scripts/setup.sh": "sets up .venv (pip): the first step of CI",
     "bash scripts/quickstart.sh":
@@ -159,6 +158,7 @@ NOT_RUN = {
 def normalise(line: str) -> str:
     line = re.sub(r"^\s*\$\s+", "", line)          # a console prompt
     line = line.split(" #", 1)[0].strip()           # a trailing comment
+    line = re.sub(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)+", "", line)  # VAR=value prefixes
     line = re.sub(r"^(?:\.venv/bin/|\./\.venv/bin/)", "", line)
     line = re.sub(r"\s+", " ", line)
     return line
@@ -173,8 +173,7 @@ def shown_commands() -> list[tuple[Path, str]]:
             body = body.replace("\\\n", " ")       # continuation lines
             for raw in body.splitlines():
                 cmd = normalise(raw)
-                word = re.sub(r"^(?:\w+=\S+ )+", "", cmd).split(" ", 1)[0]
-                word = word.removeprefix(".venv/bin/")
+                word = cmd.split(" ", 1)[0]
                 if word in COMMAND_WORDS or word.startswith("python"):
                     out.append((page, cmd))
     return out
