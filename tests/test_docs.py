@@ -4,7 +4,8 @@
   target page (GitHub's slugs), in the docs and in the research notes they link to;
 * the pages carry no issue numbers, no "session" words or ordinal counts of work periods, and
   no dates of change (the dated research log, bench/convergence/NOTES.md, is exempt);
-* the README stays within its budget of 200 lines;
+* docs/README.md lists every page under docs/; the README stays within its budget of 200
+  lines;
 * every shell command shown to a user (a line of a ```bash / ```sh / ```console or an
   unlabeled block) is either run by a named test (``RUN_BY``) or listed as a command no test
   runs, with the reason (``NOT_RUN``: benchmarks, studies, installs): a newly documented
@@ -196,6 +197,15 @@ def test_every_relative_link_resolves():
 def test_the_pages_carry_no_issue_numbers_sessions_or_dates():
     found = [f for page in user_pages() for f in forbidden_words(page)]
     assert not found, "\n".join(found)
+
+
+def test_the_docs_index_lists_every_page():
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.partition("#")[0]).resolve()
+              for _, target in LINK.findall(prose(index.read_text()))}
+    pages = set(p.resolve() for p in (ROOT / "docs").rglob("*.md")) - {index.resolve()}
+    missing = sorted(rel(p) for p in pages - linked)
+    assert not missing, f"docs/README.md does not list {missing}"
 
 
 def test_the_readme_is_within_its_budget():
