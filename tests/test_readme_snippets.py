@@ -137,5 +137,5 @@ def test_readme_usage_example_runs(tmp_path):
 
 
 def test_switching_from_adamw_and_back_runs(tmp_path):
-    assert "<!-- snippet: switch -->" in (ROOT / "README.md").read_text()
+    assert "<!-- snippet: switch -->" in (ROOT / "docs" / "howto-switch.md").read_text()
     run_snippet("switch", tmp_path)

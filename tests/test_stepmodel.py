@@ -364,7 +364,7 @@ def test_link_bytes_per_gpu_fall_as_one_over_gpus():
         assert four == pytest.approx(one / 4, rel=1e-12)
 
 
-# ---- link bytes as the optimizer counts them (docs/status.md, "Link traffic") ----------------
+# ---- link bytes as the optimizer counts them (docs/host.md, "Measured on CPU") ----------------
 def test_link_bytes_match_the_measured_ratios():
     h, wl = S.Hardware.from_profile("a100-pcie4"), S.Workload.from_preset("llama2-7b")
     model_bytes = wl.numel * 2

@@ -3,7 +3,7 @@
 ``nonfinite_flags(grads) -> bool [len(grads)]`` on the gradients' device (all on one device).
 Each gradient's 2-norm is NaN when it holds a NaN and inf when it holds an inf. torch's
 ``_foreach_norm`` reduces a whole list in one multi-tensor kernel on CUDA (and is the
-fastest of the foreach reductions on CPU: docs/status.md, "Measurements behind constants"),
+fastest of the foreach reductions on CPU: docs/host.md, "Measured on CPU"),
 so the cost does not grow with the number of params; the caller reads the flag vector once
 per step.
 
