@@ -69,6 +69,9 @@ def test_zero_offload_sends_the_gradient_sum_up_and_down_during_each_backward(M)
     assert p.step_time_s == pytest.approx(passes + small + x + host + x, rel=1e-12)
     assert p.link_down_bytes_per_step == M * 2e6 * 2
     assert p.link_up_bytes_per_step == M * 2e6 * 2
+    one = S.predict(h, one_layer(120), "zero-offload", update_interval=1)
+    sum_bytes = p.host_memory_bytes - one.host_memory_bytes   # the pinned gradient sum
+    assert sum_bytes == (2e6 * 2 if M > 1 else 0)
 
 
 def test_many_micro_batches_hide_the_delayed_host_update():

@@ -255,7 +255,16 @@ def _add_predict_parser(sub: Any) -> None:
                          "fully_shard, every GPU holds 1/N of the params, gradients and "
                          "device state (memory is per GPU either way)")
     pr.add_argument("--tokens", type=_pos_int, default=None,
-                    help="tokens per GPU per optimizer step (default 4096)")
+                    help="tokens per GPU per optimizer step: the batch, all micro-batches "
+                         "of a step together (default 4096)")
+    pr.add_argument("--micro-batch-tokens", type=_pos_int, default=None,
+                    help="tokens per GPU of one forward and backward pass, what the device "
+                         "holds activations for; --tokens / this many passes accumulate "
+                         "into a step (default: for each mode the largest that fits, at "
+                         "most 4096, halved down to 256)")
+    pr.add_argument("--no-curve", action="store_true",
+                    help="leave out ZenFlow's speed-up over its fastest peer at 4k, 16k, 64k "
+                         "and 256k tokens per step")
     pr.add_argument("--mfu", type=float, default=None,
                     help="model FLOP utilisation in (0, 1] (default 0.4)")
     pr.add_argument("--no-recompute", action="store_true",

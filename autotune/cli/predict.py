@@ -29,10 +29,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
     wl = M.Workload.from_spec(args.model, tokens=args.tokens or M.DEFAULT_TOKENS,
                               mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
     wl = wl.replace(recompute=not args.no_recompute)
+    if args.micro_batch_tokens is not None:
+        if args.micro_batch_tokens > wl.tokens:
+            raise UsageError(f"--micro-batch-tokens {args.micro_batch_tokens} exceeds --tokens "
+                             f"{wl.tokens} (the tokens of a whole optimizer step)")
+        wl = wl.replace(micro_batch_tokens=args.micro_batch_tokens)
     settings, overrides = _settings(args, prof.settings)
     cfg = M.zenflow_config(settings, **overrides)
-    preds = M.predict_all(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding,
-                          resident_fraction=args.resident_fraction)
+    preds = {m: M.predict_fitting(hw, wl, m, gpus=args.gpus, config=cfg,
+                                  sharding=args.sharding, resident_fraction=args.resident_fraction)
+             for m in M.MODES}
     if args.plot:
         M.plot_timelines(preds, args.plot, title=f"{wl.name} on {hw.name}, {args.gpus} GPU(s), "
                                                  f"{wl.tokens} tokens/GPU/step (model)")
@@ -40,8 +46,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(json.dumps({m: p.to_dict() for m, p in preds.items()}, indent=2))
         return EXIT_OK
     other = "host" if cfg.accumulate_on == "device" else "device"
-    alt = M.predict(hw, wl, "zenflow", gpus=args.gpus, config=cfg.replace(accumulate_on=other),
-                    sharding=args.sharding)
+    alt = M.predict_fitting(hw, wl, "zenflow", gpus=args.gpus,
+                            config=cfg.replace(accumulate_on=other), sharding=args.sharding)
     shown = dict(preds)
     shown[f"zenflow (accumulate_on={other!r})"] = alt
     _print_report(args, hw, wl, cfg, shown)
@@ -71,8 +77,8 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
     rate, how = hw.host_rate_and_source(args.gpus)
     print(f"Model prediction (not a measurement): {wl.name} ({wl.numel / 1e9:.2f}B params, "
           f"{wl.dtype}) on {hw.name}, {args.gpus} GPU(s) ({args.sharding}), {wl.tokens} "
-          f"tokens per GPU per step, MFU {wl.mfu:g}; host AdamW {rate:.3g} elements/s per GPU "
-          f"({how}). Link: {hw.link_summary()}.")
+          f"tokens per GPU per optimizer step, MFU {wl.mfu:g}; host AdamW {rate:.3g} "
+          f"elements/s per GPU ({how}). Link: {hw.link_summary()}.")
     if args.sharding == "fsdp2" and args.gpus > 1:
         print("fsdp2: memory per GPU is its rows of the params, gradients and state; the "
               "all-gathered layers in flight and FSDP's own collectives are not modelled.")
@@ -80,9 +86,13 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
           f"overlap={cfg.overlap}, apply_delay={cfg.effective_apply_delay}, "
           f"accumulate_on={cfg.accumulate_on!r}, "
           f"stream_grads={cfg.stream_grads}, dense_params={cfg.dense_params!r}. Device "
-          f"memory counts the activations of {wl.tokens} tokens "
+          f"memory counts the activations of one micro-batch "
           f"({'full recompute' if wl.recompute else 'no recompute'}, fp32 logits) and a fit "
           f"leaves {M.DEVICE_HEADROOM:.0%} free; docs/stepmodel.md has the formulas.")
+    how = ("as given" if wl.micro_batch_tokens else
+           f"each mode's largest that fits, at most {M.MICRO_BATCH_CAP}")
+    print("Micro-batches (passes x tokens; " + how + "): " + ", ".join(
+        f"{m} {p.micro_batches} x {p.micro_batch_tokens}" for m, p in shown.items()) + ".")
     print()
     print(M.markdown_table(shown))
     notes = [f"{m}: {n}" for m, p in shown.items() for n in p.notes]
@@ -92,8 +102,22 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
         print()
         for n in notes:
             print(f"* {n}")
+    if not args.no_curve:
+        _print_curve(args, hw, wl, cfg)
     if args.plot:
         print(f"\nwrote {args.plot}")
+
+
+def _print_curve(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: Any) -> None:
+    """ZenFlow's speed-up over its fastest peer at 4k-256k tokens per step: the verdict is
+    a curve over the batch, never one figure."""
+    points = M.batch_curve(hw, wl, config=cfg, gpus=args.gpus, sharding=args.sharding,
+                           resident_fraction=args.resident_fraction)
+    print("\nZenFlow against the fastest peer that fits, by tokens per optimizer step (each "
+          "mode at its largest micro-batch that fits, at most "
+          f"{M.MICRO_BATCH_CAP} tokens):\n")
+    print(M.curve_table(points))
+    print(f"\n{M.verdict(points)}")
 
 
 def _what_fits(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: Any,

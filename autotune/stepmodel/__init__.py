@@ -45,6 +45,8 @@ Where each part lives (each file imports only from the ones above it in this lis
   the modes' graphs (AdamW on the device, ZeRO-Offload, ZeRO-Offload with a delayed
   update, per-layer overlapped offload, ZenFlow);
 * ``step.py``: :func:`predict`, :func:`predict_all` and :func:`host_update_seconds`;
+* ``batch.py``: :func:`predict_fitting` (a mode at the largest micro-batch that fits) and
+  :func:`batch_curve` (ZenFlow against its fastest peer over tokens per optimizer step);
 * ``report.py``: :func:`markdown_table`, :func:`plot_timelines`, and :func:`calibration` /
   :func:`calibration_table`, the model against DeepSpeed's published ZenFlow figures.
 
@@ -67,6 +69,8 @@ from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, PUBLISHED_PEER
                      published_peers)
 from .activations import activation_bytes
 from .modes import optimizer_state_bytes
+from .batch import (CURVE_TOKENS, MICRO_BATCH_CAP, BatchPoint, batch_curve, curve_table,
+                    micro_batch_choices, plot_curves, predict_fitting, verdict)
 
 __all__ = [
     "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
@@ -75,6 +79,8 @@ __all__ = [
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",
     "CALIBRATION_SOURCE", "CALIBRATION_ASSUMPTIONS", "PUBLISHED_PEERS", "published_peers",
     "activation_bytes", "DEVICE_HEADROOM", "optimizer_state_bytes",
+    "CURVE_TOKENS", "MICRO_BATCH_CAP", "BatchPoint", "batch_curve", "curve_table",
+    "micro_batch_choices", "plot_curves", "predict_fitting", "verdict",
     "DEFAULT_MFU", "DEFAULT_TOKENS", "DEFAULT_SEQ_LEN",
     "DEFAULT_HOST_CORES_PER_ACCELERATOR", "DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE",
     "DEFAULT_ACCELERATORS_PER_NODE", "HOST_MEMORY_EFFICIENCY", "HOST_ADAM_BYTES_PER_ELEMENT",

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .inputs import MODES, Hardware, StepModelError, Workload, zenflow_config
-from .step import predict
+from .step import memory_fits, predict
 from .timeline import Prediction
 
 MICRO_BATCH_CAP = 4096
@@ -55,12 +55,9 @@ def predict_fitting(hw: Hardware, wl: Workload, mode: str, **kw: Any) -> Predict
     ``micro_batches`` say which."""
     if wl.micro_batch_tokens is not None:
         return predict(hw, wl, mode, **kw)
-    p = None
-    for m in micro_batch_choices(wl.tokens):
-        p = predict(hw, wl.replace(micro_batch_tokens=m), mode, **kw)
-        if p.fits or p.modelled_step_time_s is None:
-            break
-    return p
+    choices = [wl.replace(micro_batch_tokens=m) for m in micro_batch_choices(wl.tokens)]
+    fitting = (w for w in choices if memory_fits(hw, w, mode, **kw))
+    return predict(hw, next(fitting, choices[-1]), mode, **kw)
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,8 @@ def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
     if mode in ("zero-offload", "zero-offload-dpu", "overlapped-offload"):
         host["master + moments"] = P / n * (4 + 2 * s)
         host["worker scratch"] = scratch + moment_scratch
+        if c.micro > 1 and mode != "overlapped-offload":  # DeepSpeed's accumulated_grads_in_cpu
+            host["gradient sum between micro-batches (param dtype, pinned)"] = P / n * b
         if mode == "zero-offload-dpu" or (mode == "zero-offload" and n > 1):
             host["outbox (param dtype)"] = P / n * b
         if mode == "overlapped-offload":
@@ -440,13 +442,14 @@ def _zenflow_body(z: _ZenFlowTasks, K: int, cfg: Any, prefetch_result: bool):
         start = L.free["device"]
         # micro-batches before the step's last: autograd sums .grad on the device, or
         # (streamed) each backward sends its host columns down and the host adds them up
-        for _ in range(z.M - 1):
+        for _ in range(z.M - 1 if z.streams else 0):
             in_backward = L.run("device", z.F / z.M, "forward")
             L.run("device", z.B / z.M, "backward")
-            if z.streams:
-                L.run("device", z.gather, "gather host columns")
-                d = L.run("link-down", z.down_step, "grads down", [in_backward])
-                state["last_add"] = L.run("host", z.host_add, "host accumulate", [d])
+            L.run("device", z.gather, "gather host columns")
+            d = L.run("link-down", z.down_step, "grads down", [in_backward])
+            state["last_add"] = L.run("host", z.host_add, "host accumulate", [d])
+        if z.M > 1 and not z.streams:  # nothing but the device lane: one task for them all
+            L.run("device", (z.F + z.B) * (z.M - 1) / z.M, "forward + backward (micro-batches)")
         in_backward = L.run("device", z.F / z.M, "forward")
         L.run("device", z.B / z.M, "backward")
         t = L.run("device", z.dev_update, "selective AdamW (device)")

@@ -50,8 +50,6 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel,
                cfg.dense_params if mode == "zenflow" else (), sharding)
     procs = hw.processes_per_host(gpus)
-    threads = cfg.host_threads or (max(1, hw.host_cores // procs) if hw.host_cores
-                                   else DEFAULT_HOST_CORES_PER_ACCELERATOR)
     P = sum(c.matrix) / gpus
     extra = 0.0
     notes: list[str] = []
@@ -100,18 +98,15 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     step = window / K + extra
     stall = (window - busy_dev + K * extra) / (K * step) if step > 0 else 0.0
     host_busy = busy_host / (K * step) if step > 0 else 0.0
-    mem = memory_use(mode, wl, c, cfg, threads, resident_fraction)
-    dev_bytes = int(round(sum(mem["device"].values())))
-    host_bytes = int(round(sum(mem["host"].values())))
-    dev_fits = hw.device_memory_bytes is None or dev_bytes <= hw.usable_device_bytes
+    mem, dev_bytes, host_bytes, dev_fits, host_fits = _memory(hw, wl, mode, c, cfg, gpus,
+                                                               resident_fraction)
     if not dev_fits:
         notes.append(f"does not fit: needs {dev_bytes / 1e9:.1f} GB of device memory "
                      f"(activations of {wl.micro_tokens} tokens included), the device has "
                      f"{hw.device_memory_bytes / 1e9:.0f} GB, {hw.usable_device_bytes / 1e9:.1f} "
                      "usable")
-    node_host = host_bytes * procs  # the node's GPU processes share its memory
-    host_fits = hw.host_memory_bytes is None or node_host <= hw.usable_host_bytes
     if not host_fits:
+        node_host = host_bytes * procs  # the node's GPU processes share its memory
         notes.append(f"does not fit the host: {procs} process(es) need {node_host / 1e9:.1f} GB "
                      f"of host memory, the host has {hw.host_memory_bytes / 1e9:.0f} GB, "
                      f"{hw.usable_host_bytes / 1e9:.1f} usable")
@@ -125,6 +120,38 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
         modelled_step_time_s=step, window_steps=K, window_time_s=window, timeline=segs,
         memory=mem, settings=out_settings, notes=notes, micro_batch_tokens=wl.micro_tokens,
         micro_batches=wl.micro_batches)
+
+
+def _memory(hw: Hardware, wl: Workload, mode: str, c: Any, cfg: Any, gpus: int,
+            resident_fraction: float) -> tuple[dict, int, int, bool, bool]:
+    """A mode's memory on each side (:func:`~.modes.memory_use`), their totals, and whether
+    each fits (the host: the node's GPU processes together)."""
+    procs = hw.processes_per_host(gpus)
+    threads = cfg.host_threads or (max(1, hw.host_cores // procs) if hw.host_cores
+                                   else DEFAULT_HOST_CORES_PER_ACCELERATOR)
+    mem = memory_use(mode, wl, c, cfg, threads, resident_fraction)
+    dev_bytes = int(round(sum(mem["device"].values())))
+    host_bytes = int(round(sum(mem["host"].values())))
+    dev_fits = hw.device_memory_bytes is None or dev_bytes <= hw.usable_device_bytes
+    host_fits = hw.host_memory_bytes is None or host_bytes * procs <= hw.usable_host_bytes
+    return mem, dev_bytes, host_bytes, dev_fits, host_fits
+
+
+def memory_fits(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any = None,
+                sharding: str = "ddp", resident_fraction: float | None = None,
+                **settings: Any) -> bool:
+    """Whether :func:`predict` would say the mode fits (device and host memory, and a mode
+    that runs this workload at all), without laying out its timeline."""
+    cfg = zenflow_config(config, **settings)
+    if mode == "overlapped-offload" and wl.micro_batches > 1:
+        return False
+    if mode == "state-swap" and resident_fraction is None:
+        resident_fraction = resident_that_fits(hw, wl, gpus=gpus, config=cfg,
+                                               sharding=sharding)
+    c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel,
+                  cfg.dense_params if mode == "zenflow" else (), sharding)
+    _, _, _, dev_fits, host_fits = _memory(hw, wl, mode, c, cfg, gpus, resident_fraction or 0.0)
+    return dev_fits and host_fits
 
 
 def _refused(hw: Hardware, wl: Workload, mode: str, K: int, why: str) -> Prediction:
@@ -157,10 +184,10 @@ def resident_that_fits(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any
     if hw.device_memory_bytes is None:
         return 1.0
     cfg = zenflow_config(config)
-    none = predict(hw, wl, "state-swap", gpus=gpus, config=cfg, sharding=sharding,
-                   resident_fraction=0.0)
-    state = none.host_memory_bytes  # all of this GPU's Adam state, streamed
-    room = hw.usable_device_bytes - none.device_memory_bytes
+    c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel, (), sharding)
+    _, dev_bytes, state, _, _ = _memory(hw, wl, "state-swap", c, cfg, gpus, 0.0)
+    # state: all of this GPU's Adam state, streamed
+    room = hw.usable_device_bytes - dev_bytes
     if state <= 0:
         return 1.0
     return max(0, min(100, int(100 * room / state))) / 100
