@@ -164,6 +164,35 @@ def interval_one_scenario(rank: int) -> dict:
     return _against_adamw(rank, update_interval=1, select_interval=3, overlap=False)
 
 
+CLIP = 0.05  # below every step's global norm here (~1): each step is clipped
+CLIP_STEPS = 8
+
+
+def clip_scenario(rank: int) -> dict:
+    """``max_grad_norm`` under FSDP2, with the NaN/inf check (the ranks' squared norms ride
+    its vote) and without (an all-reduce of their own): each step's norm as the optimizer
+    reports it, and ``clip_grad_norm_``'s over the whole gradient (every rank's rows
+    gathered), taken before the step."""
+    world = dist.get_world_size()
+    out = {}
+    for check in (True, False):
+        model = sharded_model()
+        reported, full = [], []
+        with ZenFlowOptimizer(model.parameters(), lr=LR, max_grad_norm=CLIP,
+                              check_finite=check, **CFG) as opt:
+            n = BATCH // world
+            for tokens in batches(CLIP_STEPS):
+                opt.zero_grad(set_to_none=True)
+                loss_of(model, tokens[rank * n:(rank + 1) * n]).backward()
+                whole = [p.grad.full_tensor() for p in model.parameters()]
+                full.append(float(torch.nn.utils.get_total_norm(whole)))
+                opt.step()
+                reported.append(opt.stats()["grad_norm"])
+            opt.synchronize()
+            out[check] = dict(params=_gathered(model), reported=reported, full=full)
+    return out
+
+
 def nonfinite_scenario(rank: int) -> dict:
     """Rank 1 alone finds a NaN in its rows of the MLP's gradient at step 5: both raise,
     and neither changed anything at that step."""
@@ -385,6 +414,39 @@ def test_fsdp2_equals_adamw_where_zenflow_is_adamw(tmp_path, scenario):
     torch.optim.AdamW, each rank's rows to fp32 rounding."""
     for res in td.spawn(f"tests.test_fsdp2:{scenario}", tmp_path):
         assert_trajectories_close(res["zenflow"], res["adamw"], STEPS, LR)
+
+
+def test_fsdp2_clips_every_rank_by_the_global_norm(tmp_path):
+    """``max_grad_norm`` under FSDP2: every rank clips by one coefficient, that of the
+    whole gradient's norm (each rank's rows' squared norms summed over the ranks), as
+    ``clip_grad_norm_`` over the gathered gradient gives it to fp32 rounding; the params
+    follow one process that clips with ``clip_grad_norm_`` on the whole batch."""
+    a, b = td.spawn("tests.test_fsdp2:clip_scenario", tmp_path)
+    # The bound. Each side takes a gradient's norm as fp32 sums of squares: n terms (n the
+    # largest numel, any summation order) are within n*u of the exact sum (u = 2**-24), so
+    # the norm within (n/2 + 2)u with its root and rounding; the optimizer's adds its two
+    # ranks' parts in fp64 and rounds once more: the two per-gradient norms are within
+    # (n + 5)u. The norm of the 16 norms adds (8 + 2)u on each side, the coefficient's
+    # add and divide 2u each: |c - c_ref| <= (n + 29)u * c_ref.
+    n = max(p.numel() for p in Block().parameters())
+    rtol = (n + 29) * 2.0 ** -24
+    for check in (True, False):  # the norms riding the NaN/inf vote; their own all-reduce
+        assert a[check]["reported"] == b[check]["reported"]  # one coefficient on every rank
+        for got, full in zip(a[check]["reported"], a[check]["full"]):
+            coef, want = min(1.0, CLIP / (got + 1e-6)), min(1.0, CLIP / (full + 1e-6))
+            assert want < 1.0 and abs(coef - want) <= rtol * want, (check, got, full)
+    for x, y in zip(a[True]["params"], a[False]["params"]):
+        assert torch.equal(x, y)  # the same sums, whichever collective carried them
+    model = Block()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **CFG) as opt:
+        for tokens in batches(CLIP_STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+        opt.synchronize()
+        want = [p.detach().clone() for p in model.parameters()]
+    assert_trajectories_close(a[True]["params"], want, CLIP_STEPS, LR * CFG["update_interval"])
 
 
 def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path):
