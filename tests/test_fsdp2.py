@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zenflow_triton import NonFiniteGradientError, ZenFlowOptimizer
+from zenflow_triton.config import ZenFlowConfig
 from zenflow_triton.state import by_rows
 from zenflow_triton.state import state_side
 
@@ -190,6 +191,37 @@ def clip_scenario(rank: int) -> dict:
                 reported.append(opt.stats()["grad_norm"])
             opt.synchronize()
             out[check] = dict(params=_gathered(model), reported=reported, full=full)
+    return out
+
+
+def host_fit_scenario(rank: int) -> dict:
+    """The host memory check of an FSDP2 optimizer (device memory taken as ample), against
+    a machine whose memory ``fraction`` of one process's host state (the whole model's)
+    leaves available, with ``LOCAL_WORLD_SIZE`` as given (None: unset): each case's outcome
+    on this rank, "fits" or the error."""
+    from zenflow_triton import fit as F
+
+    whole = F.host_bytes(list(Block().parameters()), ZenFlowConfig(**CFG))
+    saved = (F.device_capacity_bytes, F.host_capacity_bytes, os.environ.get("LOCAL_WORLD_SIZE"))
+    out = {}
+    try:
+        F.device_capacity_bytes = lambda device: 10 ** 15
+        for fraction, ranks in ((0.75, "2"), (0.75, None), (0.75, "1"), (1.2, "2"),
+                                (0.75, "two")):
+            F.host_capacity_bytes = lambda: int(fraction * whole / (1 - F.HOST_HEADROOM))
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+            if ranks is not None:
+                os.environ["LOCAL_WORLD_SIZE"] = ranks
+            try:
+                ZenFlowOptimizer(sharded_model().parameters(), lr=LR, **CFG).close()
+                out[fraction, ranks] = "fits"
+            except ValueError as e:
+                out[fraction, ranks] = f"{type(e).__name__}: {e}"
+    finally:
+        F.device_capacity_bytes, F.host_capacity_bytes, env = saved
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if env is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = env
     return out
 
 
@@ -447,6 +479,22 @@ def test_fsdp2_clips_every_rank_by_the_global_norm(tmp_path):
         opt.synchronize()
         want = [p.detach().clone() for p in model.parameters()]
     assert_trajectories_close(a[True]["params"], want, CLIP_STEPS, LR * CFG["update_interval"])
+
+
+def test_fsdp2_host_check_counts_every_rank_on_the_machine(tmp_path):
+    """Under FSDP2 each rank holds its rows of the host state, about half the model's on 2
+    ranks, but both take them from one machine's memory: with 3/4 of the model's host
+    state available the check refuses (LOCAL_WORLD_SIZE=2, or unset: every rank of the
+    mesh counts), on every rank alike; one rank per machine fits, and so do 2 ranks with
+    1.2 times the model's. A LOCAL_WORLD_SIZE that is no count is refused by name."""
+    for res in td.spawn("tests.test_fsdp2:host_fit_scenario", tmp_path):
+        for ranks in ("2", None):
+            assert res[0.75, ranks].startswith("DoesNotFitError"), res
+            assert "of host memory" in res[0.75, ranks] and "2 ranks" in res[0.75, ranks]
+        assert "LOCAL_WORLD_SIZE" in res[0.75, None]  # it says how to count otherwise
+        assert res[0.75, "1"] == "fits" and res[1.2, "2"] == "fits", res
+        assert res[0.75, "two"].startswith("ValueError") and "LOCAL_WORLD_SIZE='two'" in \
+            res[0.75, "two"], res
 
 
 def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path):
