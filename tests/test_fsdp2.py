@@ -225,7 +225,7 @@ def host_fit_scenario(rank: int) -> dict:
     return out
 
 
-def nonfinite_scenario(rank: int) -> dict:
+def nonfinite_scenario(rank: int, **cfg) -> dict:
     """Rank 1 alone finds a NaN in its rows of the MLP's gradient at step 5: both raise,
     and neither changed anything at that step."""
     model = sharded_model()
@@ -235,7 +235,7 @@ def nonfinite_scenario(rank: int) -> dict:
         if step == 5 and rank == 1:
             model.up.weight.grad.to_local()[0, 0] = float("nan")
 
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG, **cfg)
     data = batches(6)
     before = None
     try:
@@ -497,8 +497,14 @@ def test_fsdp2_host_check_counts_every_rank_on_the_machine(tmp_path):
             res[0.75, "two"], res
 
 
-def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path):
-    a, b = td.spawn("tests.test_fsdp2:nonfinite_scenario", tmp_path)
+def nonfinite_clipped_scenario(rank: int) -> dict:
+    """:func:`nonfinite_scenario` clipping: the squared norms ride the vote on the flags."""
+    return nonfinite_scenario(rank, max_grad_norm=CLIP)
+
+
+@pytest.mark.parametrize("scenario", ["nonfinite_scenario", "nonfinite_clipped_scenario"])
+def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path, scenario):
+    a, b = td.spawn(f"tests.test_fsdp2:{scenario}", tmp_path)
     for res in (a, b):
         assert res.get("raised") and "non-finite gradient" in res["raised"], res
         assert "shape (48, 33)" in res["raised"], res  # the MLP's up projection, whole
