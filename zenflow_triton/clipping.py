@@ -94,8 +94,8 @@ class Clipper:
             return
         grads = [g for _, _, g in work]
         first = grads[0].device
-        squares = torch.stack([n.to(first) for n in tensor_norms(grads, torch.float32)])
-        self.shard.ride(squares.double().square())
+        norms = torch.stack([n.to(first) for n in tensor_norms(grads, torch.float32)])
+        self.shard.ride(norms.double().square())  # fp32 squared in fp64: exact
 
     def clip(self, work) -> None:
         """Scale every gradient of the step (``work``: (group, param, grad)) by the one
