@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zenflow_triton import NonFiniteGradientError, ZenFlowOptimizer
+from zenflow_triton.config import ZenFlowConfig
 from zenflow_triton.state import by_rows
 from zenflow_triton.state import state_side
 
@@ -164,7 +165,67 @@ def interval_one_scenario(rank: int) -> dict:
     return _against_adamw(rank, update_interval=1, select_interval=3, overlap=False)
 
 
-def nonfinite_scenario(rank: int) -> dict:
+CLIP = 0.05  # below every step's global norm here (~1): each step is clipped
+CLIP_STEPS = 8
+
+
+def clip_scenario(rank: int) -> dict:
+    """``max_grad_norm`` under FSDP2, with the NaN/inf check (the ranks' squared norms ride
+    its vote) and without (an all-reduce of their own): each step's norm as the optimizer
+    reports it, and ``clip_grad_norm_``'s over the whole gradient (every rank's rows
+    gathered), taken before the step."""
+    world = dist.get_world_size()
+    out = {}
+    for check in (True, False):
+        model = sharded_model()
+        reported, full = [], []
+        with ZenFlowOptimizer(model.parameters(), lr=LR, max_grad_norm=CLIP,
+                              check_finite=check, **CFG) as opt:
+            n = BATCH // world
+            for tokens in batches(CLIP_STEPS):
+                opt.zero_grad(set_to_none=True)
+                loss_of(model, tokens[rank * n:(rank + 1) * n]).backward()
+                whole = [p.grad.full_tensor() for p in model.parameters()]
+                full.append(float(torch.nn.utils.get_total_norm(whole)))
+                opt.step()
+                reported.append(opt.stats()["grad_norm"])
+            opt.synchronize()
+            out[check] = dict(params=_gathered(model), reported=reported, full=full)
+    return out
+
+
+def host_fit_scenario(rank: int) -> dict:
+    """The host memory check of an FSDP2 optimizer (device memory taken as ample), against
+    a machine whose memory ``fraction`` of one process's host state (the whole model's)
+    leaves available, with ``LOCAL_WORLD_SIZE`` as given (None: unset): each case's outcome
+    on this rank, "fits" or the error."""
+    from zenflow_triton import fit as F
+
+    whole = F.host_bytes(list(Block().parameters()), ZenFlowConfig(**CFG))
+    saved = (F.device_capacity_bytes, F.host_capacity_bytes, os.environ.get("LOCAL_WORLD_SIZE"))
+    out = {}
+    try:
+        F.device_capacity_bytes = lambda device: 10 ** 15
+        for fraction, ranks in ((0.75, "2"), (0.75, None), (0.75, "1"), (1.2, "2"),
+                                (0.75, "two")):
+            F.host_capacity_bytes = lambda: int(fraction * whole / (1 - F.HOST_HEADROOM))
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+            if ranks is not None:
+                os.environ["LOCAL_WORLD_SIZE"] = ranks
+            try:
+                ZenFlowOptimizer(sharded_model().parameters(), lr=LR, **CFG).close()
+                out[fraction, ranks] = "fits"
+            except ValueError as e:
+                out[fraction, ranks] = f"{type(e).__name__}: {e}"
+    finally:
+        F.device_capacity_bytes, F.host_capacity_bytes, env = saved
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if env is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = env
+    return out
+
+
+def nonfinite_scenario(rank: int, **cfg) -> dict:
     """Rank 1 alone finds a NaN in its rows of the MLP's gradient at step 5: both raise,
     and neither changed anything at that step."""
     model = sharded_model()
@@ -174,7 +235,7 @@ def nonfinite_scenario(rank: int) -> dict:
         if step == 5 and rank == 1:
             model.up.weight.grad.to_local()[0, 0] = float("nan")
 
-    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG)
+    opt = ZenFlowOptimizer(model.parameters(), lr=LR, **CFG, **cfg)
     data = batches(6)
     before = None
     try:
@@ -387,8 +448,63 @@ def test_fsdp2_equals_adamw_where_zenflow_is_adamw(tmp_path, scenario):
         assert_trajectories_close(res["zenflow"], res["adamw"], STEPS, LR)
 
 
-def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path):
-    a, b = td.spawn("tests.test_fsdp2:nonfinite_scenario", tmp_path)
+def test_fsdp2_clips_every_rank_by_the_global_norm(tmp_path):
+    """``max_grad_norm`` under FSDP2: every rank clips by one coefficient, that of the
+    whole gradient's norm (each rank's rows' squared norms summed over the ranks), as
+    ``clip_grad_norm_`` over the gathered gradient gives it to fp32 rounding; the params
+    follow one process that clips with ``clip_grad_norm_`` on the whole batch."""
+    a, b = td.spawn("tests.test_fsdp2:clip_scenario", tmp_path)
+    # The bound. Each side takes a gradient's norm as fp32 sums of squares: n terms (n the
+    # largest numel, any summation order) are within n*u of the exact sum (u = 2**-24), so
+    # the norm within (n/2 + 2)u with its root and rounding; the optimizer's adds its two
+    # ranks' parts in fp64 and rounds once more: the two per-gradient norms are within
+    # (n + 5)u. The norm of the 16 norms adds (8 + 2)u on each side, the coefficient's
+    # add and divide 2u each: |c - c_ref| <= (n + 29)u * c_ref.
+    n = max(p.numel() for p in Block().parameters())
+    rtol = (n + 29) * 2.0 ** -24
+    for check in (True, False):  # the norms riding the NaN/inf vote; their own all-reduce
+        assert a[check]["reported"] == b[check]["reported"]  # one coefficient on every rank
+        for got, full in zip(a[check]["reported"], a[check]["full"]):
+            coef, want = min(1.0, CLIP / (got + 1e-6)), min(1.0, CLIP / (full + 1e-6))
+            assert want < 1.0 and abs(coef - want) <= rtol * want, (check, got, full)
+    for x, y in zip(a[True]["params"], a[False]["params"]):
+        assert torch.equal(x, y)  # the same sums, whichever collective carried them
+    model = Block()
+    with ZenFlowOptimizer(model.parameters(), lr=LR, **CFG) as opt:
+        for tokens in batches(CLIP_STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+        opt.synchronize()
+        want = [p.detach().clone() for p in model.parameters()]
+    assert_trajectories_close(a[True]["params"], want, CLIP_STEPS, LR * CFG["update_interval"])
+
+
+def test_fsdp2_host_check_counts_every_rank_on_the_machine(tmp_path):
+    """Under FSDP2 each rank holds its rows of the host state, about half the model's on 2
+    ranks, but both take them from one machine's memory: with 3/4 of the model's host
+    state available the check refuses (LOCAL_WORLD_SIZE=2, or unset: every rank of the
+    mesh counts), on every rank alike; one rank per machine fits, and so do 2 ranks with
+    1.2 times the model's. A LOCAL_WORLD_SIZE that is no count is refused by name."""
+    for res in td.spawn("tests.test_fsdp2:host_fit_scenario", tmp_path):
+        for ranks in ("2", None):
+            assert res[0.75, ranks].startswith("DoesNotFitError"), res
+            assert "of host memory" in res[0.75, ranks] and "2 ranks" in res[0.75, ranks]
+        assert "LOCAL_WORLD_SIZE" in res[0.75, None]  # it says how to count otherwise
+        assert res[0.75, "1"] == "fits" and res[1.2, "2"] == "fits", res
+        assert res[0.75, "two"].startswith("ValueError") and "LOCAL_WORLD_SIZE='two'" in \
+            res[0.75, "two"], res
+
+
+def nonfinite_clipped_scenario(rank: int) -> dict:
+    """:func:`nonfinite_scenario` clipping: the squared norms ride the vote on the flags."""
+    return nonfinite_scenario(rank, max_grad_norm=CLIP)
+
+
+@pytest.mark.parametrize("scenario", ["nonfinite_scenario", "nonfinite_clipped_scenario"])
+def test_fsdp2_nonfinite_gradient_on_one_rank_raises_on_every_rank(tmp_path, scenario):
+    a, b = td.spawn(f"tests.test_fsdp2:{scenario}", tmp_path)
     for res in (a, b):
         assert res.get("raised") and "non-finite gradient" in res["raised"], res
         assert "shape (48, 33)" in res["raised"], res  # the MLP's up projection, whole

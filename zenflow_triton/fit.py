@@ -14,12 +14,15 @@ small matrices); the gradients, whole, or with ``stream_grads`` what the hooks h
 framework's buffers and the allocator's slack (the constructor cannot know the batch:
 ``zenflow-tune predict`` counts the activations of a stated number of tokens). The host
 side (:func:`host_bytes`: master, moments, accumulator, outbox of the host-owned columns)
-is checked against the memory this machine has available.
+is checked against the memory this machine has available, for every rank on it: under FSDP2
+each rank holds its rows, and all the ranks of a machine take them from its memory
+(:func:`ranks_on_host`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any, Iterable
 
@@ -28,7 +31,7 @@ import torch
 from .columns.layout import shape2d
 from .columns.selection import num_selected
 from .config import ZenFlowConfig
-from .dist.fsdp import local
+from .dist.fsdp import is_dtensor, local
 from .state import MATRIX, classify
 
 INDEX_BYTES = 8
@@ -119,7 +122,9 @@ def host_bytes(params: Iterable, config: ZenFlowConfig) -> int:
     """The host bytes the optimizer will hold for the trainable ``params``: per host-owned
     element of a split matrix its fp32 master and two moments (``host_state_dtype``), the
     window accumulator (``accumulate_on="host"``, a window of more than one step) and the
-    outbox of a low-precision param (the result's copy in its dtype)."""
+    outbox of a low-precision param (the result's copy in its dtype). An FSDP2 param
+    counts the largest rank's rows of it (``ceil(rows / world)``): every rank counts
+    alike, so every rank decides alike."""
     moment = torch.empty(0, dtype=config.host_moment_dtype).element_size()
     acc = torch.empty(0, dtype=config.accumulator_torch_dtype).element_size()
     total = 0.0
@@ -131,8 +136,41 @@ def host_bytes(params: Iterable, config: ZenFlowConfig) -> int:
         per = 4 + 2 * moment + (p.element_size() if p.dtype != torch.float32 else 0)
         if config.accumulate_on == "host" and config.update_interval > 1:
             per += acc
-        total += host * per * local(p).numel() / max(1, p.numel())
+        total += host * per * _largest_share(p)
     return int(total)
+
+
+def _largest_share(p: torch.Tensor) -> float:
+    """The share of ``p``'s rows the rank with the most of them holds: ``ceil(rows /
+    world)`` of an FSDP2 param (``torch.chunk``'s split), all of a plain one."""
+    if not is_dtensor(p) or not p.shape or not p.shape[0]:
+        return 1.0
+    rows = p.shape[0]
+    return min(rows, -(-rows // p.device_mesh.size())) / rows
+
+
+def ranks_on_host(params: Iterable) -> tuple[int, str]:
+    """How many ranks share this machine's memory for ``params``, and whence that number:
+    for FSDP2 params ``LOCAL_WORLD_SIZE`` (torchrun sets it), else every rank of their mesh
+    (as when they were all started on this machine); 1 for plain params (a DDP rank's
+    host rows are not known here: each counts the whole host half, which is the node's
+    total where its ranks share one machine)."""
+    mesh = next((p.device_mesh for _, p in _named(params) if is_dtensor(p)), None)
+    if mesh is None:
+        return 1, "one process"
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is None:
+        n = mesh.size()
+        return n, (f"the {n} ranks of the FSDP2 mesh, all taken to run on this machine "
+                   "(set LOCAL_WORLD_SIZE where they span machines)")
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={env!r}: the number of ranks on this machine must "
+                         "be a positive integer (torchrun sets it)")
+    return n, f"{n} ranks on this machine (LOCAL_WORLD_SIZE)"
 
 
 def host_capacity_bytes() -> int | None:
@@ -212,16 +250,20 @@ def check(params: list, config: ZenFlowConfig, fit: str = "check") -> dict:
 
 
 def check_host(params: list, config: ZenFlowConfig) -> None:
-    """DoesNotFitError where the optimizer's host state (:func:`host_bytes`) exceeds what
-    this machine has available, less :data:`HOST_HEADROOM`."""
+    """DoesNotFitError where the optimizer's host state (:func:`host_bytes`) of every rank on
+    this machine (:func:`ranks_on_host`) exceeds what it has available, less
+    :data:`HOST_HEADROOM`."""
     has = host_capacity_bytes()
     if has is None:
         return
-    need = host_bytes(params, config)
+    ranks, whence = ranks_on_host(params)
+    need = host_bytes(params, config) * ranks
     if need > has * (1 - HOST_HEADROOM):
+        who = "" if ranks == 1 else f" ({whence}, {_gb(need / ranks)} each)"
         raise DoesNotFitError(
-            f"these settings need {_gb(need)} of host memory for the host-owned columns "
-            f"(fp32 master, moments, accumulator, outbox); this machine has {_gb(has)} "
+            f"these settings need {_gb(need)} of host memory for the host-owned "
+            f"columns{who} (fp32 master, moments, accumulator, outbox); this machine has "
+            f"{_gb(has)} "
             f"available ({HOST_HEADROOM:.0%} kept free): host_state_dtype='bfloat16' and "
             "accumulator_dtype='bfloat16' halve the moments and the sum, a higher "
             "topk_ratio keeps more columns on the device; fit='skip' to go on anyway")

@@ -18,6 +18,7 @@ import torch
 
 from .checkpoint.methods import StateDictMethods
 from .checkpoint.state_dict import window_open, without_kernel_choices
+from .clipping import Clipper
 from .columns.split import ColumnSplit
 from .columns.spread import Spread
 from .config import ZenFlowConfig, check_hyper
@@ -96,10 +97,11 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         self._spread = Spread(self.link, self._owner, cfg)  # measured once a run
         self._split = ColumnSplit(self.ops, self.link, cfg, self._shard, self._dev,
                                   self._spread)
-        # Gradient streaming's hooks (stream_grads), clipping (max_grad_norm), live grad bytes
+        # Gradient streaming's hooks (stream_grads), live grad bytes; clipping (max_grad_norm)
         self._stream = GradStream(cfg, self.ops, self.link, self._pipeline, self._dev,
                                   self.state, lambda: self._global_step + 1, self._param_name)
         self._stream.install(self._params(), self._kind)
+        self._clip = Clipper(cfg.max_grad_norm, self._shard, self._stream)
         self._guard = StepGuard(self._pipeline)  # the failed state; all-or-nothing steps
         self._training = True
         self._global_step = 0
@@ -176,10 +178,11 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
                 loss = closure()
         work = self._work()
         plan = plan_step(self._global_step + 1, self.config)
+        self._clip.offer(work)  # FSDP2: the ranks' squared norms ride the NaN/inf vote
         moves, defer = self._stream.checked(lambda: self._check(work, plan))
         self._prepare_state(work)
         self._guard.before(self._wait_before_step, self._shard.collective, self._global_step)
-        self._stream.clip(work)  # after the waits: an interrupted step is retried unclipped
+        self._clip.clip(work)  # after the waits: an interrupted step is retried unclipped
         if defer:  # a masked step's host-side counters come back if it was bad
             step = self._global_step
             self._finite.defer(work, step + 1, undo_of([self._states[p] for _, p, _ in work],
@@ -378,7 +381,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         if getattr(self, "_detached", False):
             self._check_open()
         return optimizer_stats(steps=self._global_step, backend=self._backend,
-                               streaming=self._stream.stats(),
+                               streaming={**self._stream.stats(), **self._clip.stats()},
                                shard=self._shard, link=self.link, pipeline=self._pipeline,
                                params=self._params(), state=self.state, kind_of=self._kind,
                                config=self.config, device_indices=self._dev.index_tensors(),

@@ -16,7 +16,8 @@ backward streams too) splits the gradient as the coming step will use it, then f
 
 Nothing is updated inside backward. ``step()`` takes what the hooks left: :meth:`work` gives
 its entries (with a NaN/inf probe as their gradient, for the check) and the scores of a
-selection, :meth:`clip` scales every gradient by one coefficient (``max_grad_norm``), and
+selection, :meth:`norm_of` and :meth:`scale` serve clipping (``max_grad_norm``:
+``clipping.Clipper`` scales every gradient by one coefficient), and
 :meth:`resolve`, once the step's selection is made, gives the device half the compact device
 columns and the host columns (``Split``), which the host worker adds into the window
 accumulator, or a one-step window reads as they are. Small params (1-D, tiny matrices) keep
@@ -44,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .clipping import scale as scale_tensors, tensor_norms
 from .columns.layout import shape2d, view2d
 from .kernels import column_scores_ref, nonfinite_flags
 from .schedule import plan_step
@@ -110,7 +112,7 @@ class _Buffers:
 
 class GradStream:
     """The hooks and what they leave (active with ``stream_grads``); also, with or without
-    streaming, clipping by the global norm and the peak of live gradient bytes."""
+    streaming, the peak of live gradient bytes."""
 
     def __init__(self, config, ops, link, pipeline, device_half, state: dict,
                  next_step: Callable[[], int], name_of: Callable[[torch.Tensor], str]) -> None:
@@ -195,7 +197,7 @@ class GradStream:
             if flag is not None:
                 b.bad = flag if b.bad is None else b.bad | flag
         if self.config.max_grad_norm is not None:
-            b.norm = torch.linalg.vector_norm(g, 2.0)  # clip_grad_norm_'s per-tensor norm
+            b.norm = tensor_norms([g])[0]  # clip_grad_norm_'s per-tensor norm
         if b.whole:
             if b.scores is not None:
                 self.ops.column_scores(g2d, self.config.score, out=b.scores)
@@ -325,32 +327,20 @@ class GradStream:
             out[p] = b.scores
         return out
 
-    def clip(self, work) -> None:
-        """``max_grad_norm``: scale every gradient of the step by ``min(1, max_norm / (norm +
-        1e-6))`` of their global 2-norm, as ``torch.nn.utils.clip_grad_norm_`` does (its
-        per-tensor norms, then the norm of those; in the grads' dtype). Device gradients are
-        scaled now; streamed host columns by the host worker (or :meth:`resolve`)."""
-        max_norm = self.config.max_grad_norm
-        if max_norm is None or not work:
-            return
-        norms, small = [], []
-        for _, p, g in work:
-            b = self._bufs.get(p)
-            if b is None:
-                norms.append(torch.linalg.vector_norm(g, 2.0))
-                small.append(g)
-            else:
-                norms.append(b.norm if b.micro == 1 else self._summed_norm(p, b))
-        first = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), 2.0)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in small:
-            g.mul_(coef.to(g.device))
-        for b in self._bufs.values():
-            if b.dev is not None:
-                b.dev.mul_(coef.to(b.dev.device))
-        # the host columns' factor, on the host (one read of the coefficient per step: the
-        # host worker must not read a device tensor the training stream is still writing)
+    def norm_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The 2-norm of ``p``'s streamed gradient, for clipping (``clipping.Clipper``): the
+        hook's (one micro-batch), or that of the sum of several; None where ``p``'s gradient
+        was not streamed."""
+        b = self._bufs.get(p)
+        if b is None:
+            return None
+        return b.norm if b.micro == 1 else self._summed_norm(p, b)
+
+    def scale(self, coef: torch.Tensor) -> None:
+        """Clipping: the streamed device columns times ``coef`` now; the host columns by the
+        host worker (or :meth:`resolve`), by ``coef`` read on the host once a step (the host
+        worker must not read a device tensor the training stream is still writing)."""
+        scale_tensors([b.dev for b in self._bufs.values() if b.dev is not None], coef)
         self._coef = coef.to("cpu") if self._bufs else None
 
     def _summed_norm(self, p: torch.Tensor, b: _Buffers) -> torch.Tensor:

@@ -49,6 +49,8 @@ class RowShard:
         """Bytes this rank has handed to the collectives it made (each one's input)."""
         self._recent: collections.deque = collections.deque(maxlen=KEEP_WORKS)
         """The last collectives' work objects, held from Python (see :meth:`_wait`)."""
+        self._riding: torch.Tensor | None = None  # values for the next vote (:meth:`ride`)
+        self._ridden: torch.Tensor | None = None  # their sums, once a vote brought them
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.rank, self.world = 0, 1
             self.device = torch.device("cpu")
@@ -194,9 +196,33 @@ class RowShard:
     def any_rank(self, flags: list[bool], what: str) -> list[bool]:
         """Per flag, whether any rank set it (one all-reduce; a world of one returns
         ``flags``): FSDP2's vote on the gradients' NaN/inf flags, each rank having checked
-        only its rows."""
-        summed = self.all_reduce_sum(torch.tensor(flags, dtype=torch.int32), what)
-        return [bool(n) for n in summed]
+        only its rows. What :meth:`ride` was given rides in the same all-reduce."""
+        riding = self._riding
+        if riding is None or self._ridden is not None:
+            summed = self.all_reduce_sum(torch.tensor(flags, dtype=torch.int32), what)
+            return [bool(n) for n in summed]
+        both = torch.cat([torch.tensor(flags, dtype=torch.float64, device=riding.device),
+                          riding])  # 0/1 flags add up exactly in float64
+        summed = self.all_reduce_sum(both, what)
+        self._ridden = torch.tensor(summed[len(flags):], dtype=torch.float64)
+        return [bool(n) for n in summed[:len(flags)]]
+
+    def ride(self, values: torch.Tensor) -> None:
+        """``values`` (1-D) to be summed over the ranks by the next vote of :meth:`any_rank`,
+        so that they cost no collective of their own; :meth:`ridden` gives the sums. Every
+        rank gives as many values."""
+        self._riding, self._ridden = values.double(), None
+
+    def ridden(self, what: str) -> torch.Tensor:
+        """The sums over the ranks of the values :meth:`ride` was given last (float64, on the
+        host): those the vote brought, or, where no vote came since (no NaN/inf check), one
+        all-reduce of their own."""
+        riding, ridden, self._riding, self._ridden = self._riding, self._ridden, None, None
+        if riding is None:
+            raise RuntimeError("ridden() without ride(): nothing was offered this step")
+        if ridden is None:
+            ridden = torch.tensor(self.all_reduce_sum(riding, what), dtype=torch.float64)
+        return ridden
 
     def sum_rows(self, partials: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """Per-column sums over every rank's rows, from each rank's sums over its own
