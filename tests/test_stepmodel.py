@@ -580,13 +580,19 @@ def test_cli_predict_options_change_the_prediction(capsys):
     args = ["predict", "--profile", "h100-pcie5", "--model", "opt-350m", "--json"]
     assert cli.main(args) == 0
     base = json.loads(capsys.readouterr().out)
-    assert cli.main(args + ["--gpus", "2", "--tokens", "8192", "--topk-ratio", "0.2",
-                            "--update-interval", "8"]) == 0
+    assert cli.main(args + ["--gpus", "2", "--tokens", "8192", "--micro-batch-tokens", "8192",
+                            "--topk-ratio", "0.2", "--update-interval", "8"]) == 0
     other = json.loads(capsys.readouterr().out)
     assert other["zenflow"]["settings"]["topk_ratio"] == 0.2
     assert other["zenflow"]["settings"]["update_interval"] == 8
     assert other["zero-offload"]["link_bytes_per_step"] == pytest.approx(
         base["zero-offload"]["link_bytes_per_step"] / 2, abs=1)
+    # the default micro-batch is at most 4096 tokens: two passes a step, and ZeRO-Offload's
+    # gradient sum goes down after the first and up during the second
+    assert cli.main(args + ["--gpus", "2", "--tokens", "8192"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["zero-offload"]["link_bytes_per_step"] == pytest.approx(
+        2 * other["zero-offload"]["link_bytes_per_step"], abs=2)
     # a reselection every window drains the host job every window: a slower step
     assert cli.main(args + ["--update-interval", "4", "--select-interval", "4"]) == 0
     every = json.loads(capsys.readouterr().out)

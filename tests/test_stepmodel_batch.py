@@ -4,8 +4,11 @@ gradient accumulation as its code runs it, worked by hand on one-layer workloads
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from autotune import cli
 from autotune import stepmodel as S
 from autotune.stepmodel.modes import zenflow_split
 
@@ -120,3 +123,45 @@ def test_streamed_micro_batches_send_before_the_step_ends():
                   accumulate_on="host", stream_grads=True)
     adds = [s for s in p.timeline if s.label == "host accumulate"]
     assert len(adds) == 2 * 4                # two steps of four micro-batches
+
+
+def test_a_large_batch_runs_in_micro_batches_that_fit(capsys):
+    """131072 tokens per step on an 80 GB A100: no mode holds them at once, each runs the
+    largest micro-batch that fits (at most 4096), and ZenFlow and ZeRO-Offload with a
+    delayed update both get a step time."""
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--model", "llama3-8b", "--tokens",
+                     "131072", "--json", "--no-curve"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for mode in ("zenflow", "zero-offload-dpu"):
+        assert out[mode]["fits"] and out[mode]["step_time_s"] > 0
+        assert (out[mode]["micro_batches"], out[mode]["micro_batch_tokens"]) == (32, 4096)
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--model", "llama3-8b", "--tokens",
+                     "131072", "--micro-batch-tokens", "2048", "--json", "--no-curve"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["zenflow"]["micro_batches"] == 64
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--model", "llama3-8b", "--tokens",
+                     "1024", "--micro-batch-tokens", "2048"]) == cli.EXIT_USAGE
+    assert "exceeds --tokens" in capsys.readouterr().err
+
+
+def test_predict_prints_the_speedup_as_a_curve_over_the_batch(capsys):
+    assert cli.main(["predict", "--profile", "a100-pcie4", "--model", "opt-350m"]) == 0
+    text = capsys.readouterr().out
+    assert "fastest peer that fits" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| 4k", "| 16k", "| 64k",
+                                                                     "| 256k"))]
+    assert len(rows) == 4
+
+
+def test_the_curve_names_the_fastest_peer_and_its_ratio():
+    h = hw(device_memory_bytes=None)
+    pts = S.batch_curve(h, one_layer(120), config=S.zenflow_config(
+        topk_ratio=0.1, update_interval=4, dense_params=()), tokens=(120, 120 * 8))
+    for pt in pts:
+        peers = {m: S.predict_fitting(h, one_layer(pt.tokens), m, update_interval=4,
+                                      topk_ratio=0.1, dense_params=())
+                 for m in S.batch.PEERS}
+        best = min(peers, key=lambda m: peers[m].step_time_s)
+        assert pt.peer == best
+        assert pt.speedup == pytest.approx(peers[best].step_time_s / pt.zenflow.step_time_s)
+    assert "ZenFlow is" in S.verdict(pts)

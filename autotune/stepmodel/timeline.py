@@ -118,6 +118,8 @@ class Prediction:
             "device_memory_bytes": self.device_memory_bytes,
             "host_memory_bytes": self.host_memory_bytes,
             "fits": self.fits,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "micro_batches": self.micro_batches,
         }
         if self.settings is not None:
             out["settings"] = dict(self.settings)
