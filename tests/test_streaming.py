@@ -261,7 +261,7 @@ def test_config_errors_name_the_field():
         ZenFlowConfig(max_grad_norm=float("nan"))
 
     class Shard:  # what the optimizer's RowShard says under DDP
-        collective, split_rows = True, True
+        world, collective, split_rows = 2, True, True
     with pytest.raises(StreamingError, match="DDP"):
         check_streamable(ZenFlowConfig(stream_grads=True), Shard())
     check_streamable(ZenFlowConfig(), Shard())  # no streaming: nothing to refuse

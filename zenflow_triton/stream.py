@@ -61,14 +61,26 @@ is elementwise, no dict key; an id reused by a later tensor is overwritten when 
 optimizer installs its hooks."""
 
 
+def topology_refusal(settings, *, world: int, fsdp: bool) -> str | None:
+    """Why the optimizer refuses ``settings`` (a ``ZenFlowConfig`` or a dict of its fields)
+    on ``world`` ranks, FSDP2's params (``fsdp``) or plain ones; None where it takes them.
+    The one rule: the constructor (:func:`check_streamable`) and the tuner, which must not
+    pick or save what a run on that topology would refuse, both ask it."""
+    get = settings.get if isinstance(settings, dict) else (
+        lambda k, default=None: getattr(settings, k, default))
+    if (world > 1 or fsdp) and get("stream_grads", False):
+        return ("stream_grads is not supported under DDP or FSDP2 yet: DDP averages a "
+                "gradient across ranks after the hook that would stream it (the hook would "
+                "send this rank's own gradient to the host), and FSDP2 holds sharded gradients "
+                "this version does not stream; use accumulate_on=\"host\" there")
+    return None
+
+
 def check_streamable(config, shard) -> None:
     """StreamingError, before anything is made, where ``stream_grads`` cannot work."""
-    if config.stream_grads and (shard.collective or not shard.split_rows):
-        raise StreamingError(
-            "stream_grads is not supported under DDP or FSDP2 yet: DDP averages a gradient "
-            "across ranks after the hook that would stream it (the hook would send this "
-            "rank's own gradient to the host), and FSDP2 holds sharded gradients this "
-            "version does not stream; use accumulate_on=\"host\" there")
+    why = topology_refusal(config, world=shard.world, fsdp=not shard.split_rows)
+    if why is not None:
+        raise StreamingError(why)
 
 
 @dataclass
