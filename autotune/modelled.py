@@ -424,7 +424,9 @@ def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
     when it passed ``bar`` on every workload it was measured on. ``base``: the profile's
     settings under the points; those of :data:`~autotune.realquality.OTHER_ARITHMETIC` it
     sets are part of every point's identity (a profile with bf16 host moments is not judged
-    by rows with fp32 ones)."""
+    by rows with fp32 ones). A point that ``fresh_if_spread`` would switch on a spread
+    gradient, where that switch did not pass, is the point with ``fresh_if_spread=False``
+    (in its settings, so a saved profile pins it)."""
     limits = bar_limits(bar)
     rs = load_store(path)
     under = {k: v for k, v in (base or {}).items() if k in OTHER_ARITHMETIC}
@@ -437,6 +439,9 @@ def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
     seen: set[str] = set()
     for settings in wanted:
         v = rs.verdict(dict(under, **settings), bar)
+        if v.spread is not None and not v.passed:  # its switch on a spread gradient did not
+            settings = dict(settings, fresh_if_spread=False)  # pass (or was not measured):
+            v = rs.verdict(dict(under, **settings), bar)  # saved with it pinned off
         if v.key in seen:
             continue
         seen.add(v.key)
@@ -825,6 +830,7 @@ def _quality_provenance(out: ModelledOutcome) -> dict[str, Any]:
                 "bar": store.real.bar,
                 "limits": json.loads(json.dumps(bar_limits(store.real.bar))),
                 "setting_class": v.name,
+                "trains": {f"on a {kind} gradient": name for kind, name in v.trains.items()},
                 "models": sorted({rs.workloads[r.workload]["model"] for r in v.results}),
                 "seeds": sorted({seed for r in v.results for seed in r.seeds}),
                 "workloads": {r.workload: {"seeds": list(r.seeds),
