@@ -529,3 +529,30 @@ def test_the_trainer_moves_clipping_for_a_profile_that_streams(tmp_path):
         assert args.max_grad_norm == 0.0
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("how", ["asked", "profile"])
+def test_the_trainer_builds_the_optimizer_once_when_it_moves_clipping(tmp_path, monkeypatch,
+                                                                      how):
+    import zenflow_triton.hf as hf
+
+    built = []
+
+    class Counted(ZenFlowOptimizer):
+        def __init__(self, *a, **kw):
+            built.append(kw.get("max_grad_norm"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(hf, "ZenFlowOptimizer", Counted)
+    model = tiny_llama()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          max_grad_norm=0.5)
+    kw = (dict(profile="rtx4090-pcie4", fit="skip") if how == "profile" else
+          dict(stream_grads=True, **{k: v for k, v in BASE.items() if k != "accumulate_on"}))
+    with pytest.warns(UserWarning, match="moves max_grad_norm"):
+        opt = hf.trainer_kwargs(model, args, **kw)["optimizers"][0]
+    try:
+        assert built == [0.5] and opt.config.max_grad_norm == 0.5 and opt.config.stream_grads
+        assert args.max_grad_norm == 0.0
+    finally:
+        opt.close()
