@@ -42,6 +42,7 @@ from optuna.trial import FrozenTrial, TrialState
 from zenflow_triton.profiles import (Profile, load_profile, read_profile_file, save_profile,
                                      validate_name)
 
+from zenflow_triton.stream import topology_refusal
 from . import stepmodel as M
 from . import study as S
 from .detect import versions
@@ -423,7 +424,9 @@ def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
     when it passed ``bar`` on every workload it was measured on. ``base``: the profile's
     settings under the points; those of :data:`~autotune.realquality.OTHER_ARITHMETIC` it
     sets are part of every point's identity (a profile with bf16 host moments is not judged
-    by rows with fp32 ones)."""
+    by rows with fp32 ones). A point that ``fresh_if_spread`` would switch on a spread
+    gradient, where that switch did not pass, is the point with ``fresh_if_spread=False``
+    (in its settings, so a saved profile pins it)."""
     limits = bar_limits(bar)
     rs = load_store(path)
     under = {k: v for k, v in (base or {}).items() if k in OTHER_ARITHMETIC}
@@ -436,6 +439,9 @@ def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
     seen: set[str] = set()
     for settings in wanted:
         v = rs.verdict(dict(under, **settings), bar)
+        if v.spread is not None and not v.passed:  # its switch on a spread gradient did not
+            settings = dict(settings, fresh_if_spread=False)  # pass (or was not measured):
+            v = rs.verdict(dict(under, **settings), bar)  # saved with it pinned off
         if v.key in seen:
             continue
         seen.add(v.key)
@@ -551,7 +557,8 @@ def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: in
                                      _over(base_settings or {}, p.settings))
         rows.append(ModelledRow(point=p, prediction=pred, settings=settings,
                                 throughput=wl.tokens / pred.modelled_step_time_s,
-                                eligible=p.feasible and pred.fits))
+                                eligible=p.feasible and pred.fits and not refused(
+                                    settings, dict(gpus=gpus, sharding=sharding))))
     rows.sort(key=lambda r: (-r.throughput, math.inf if r.point.heldout_loss is None
                              else r.point.heldout_loss))
     return rows
@@ -668,18 +675,29 @@ def _prediction(hw: M.Hardware, wl: M.Workload, where: dict[str, Any],
     streamed off the device during backward (the same arithmetic, bit for bit: see
     :func:`rank_points`), with the settings it was made with. ``where``: the ``gpus`` and
     ``sharding`` of :func:`~autotune.stepmodel.predict`."""
+    if refused(settings, where):  # (a profile's streaming, under DDP or FSDP2): without it
+        settings = dict(settings, stream_grads=False)
     try:
         cfg = M.zenflow_config(settings)
     except M.StepModelError as e:
         raise ModelledError(f"settings {settings}: {e}") from None
     pred = M.predict(hw, wl, "zenflow", config=cfg, **where)
     for more in (dict(accumulate_on="host"), dict(accumulate_on="host", stream_grads=True)):
-        if pred.fits or all(getattr(cfg, k) == v for k, v in more.items()):
+        if (pred.fits or all(getattr(cfg, k) == v for k, v in more.items())
+                or refused(more, where)):
             continue
         leaner = M.predict(hw, wl, "zenflow", config=cfg.replace(**more), **where)
         if leaner.fits:
             return leaner, dict(settings, **more)
     return pred, settings
+
+
+def refused(settings: dict[str, Any], where: dict[str, Any]) -> str | None:
+    """Why the optimizer would refuse ``settings`` on ``where``'s GPUs and sharding (the
+    optimizer's own rule, ``stream.topology_refusal``: no streaming under DDP or FSDP2), or
+    None: what it refuses is neither ranked eligible nor saved."""
+    return topology_refusal(settings, world=where.get("gpus", 1),
+                            fsdp=where.get("sharding") == "fsdp2")
 
 
 def _over(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
@@ -709,18 +727,24 @@ def _nothing_fits(hw: M.Hardware, wl: M.Workload, where: dict[str, Any], base: d
     need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
     has = (hw.device_memory_bytes or 0) / 1e9
     text = (f"no grid point fits: {wl.name} needs at least {need:.1f} GB of device memory "
-            f"(activations of {wl.tokens} tokens included; host accumulation and gradient "
-            f"streaming tried); {hw.name} has {has:.0f} GB, "
+            f"(activations of {wl.tokens} tokens included; host accumulation"
+            f"{'' if refused(dict(stream_grads=True), where) else ' and gradient streaming'} "
+            f"tried); {hw.name} has {has:.0f} GB, "
             f"{(hw.usable_device_bytes or 0) / 1e9:.1f} usable")
     floor = M.params_and_grads_bytes(wl, **where) / 1e9
     if floor > (hw.usable_device_bytes or 0) / 1e9:
         return text + (f": its params, two buckets of its largest gradient and the "
                        f"activations alone are {floor:.1f} GB (fewer tokens per step: --tokens)")
-    cfg = M.zenflow_config(base)
+    cfg = M.zenflow_config(dict(base, stream_grads=False) if refused(base, where) else base)
     lean = M.fitting_zenflow(hw, wl, config=cfg, **where)
     if lean is None:
         return text
-    names = ", ".join(f"{k}={v!r}" for k, v in M.lean_changes(lean, cfg).items())
+    changes = M.lean_changes(lean, cfg)
+    names = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+    if refused(changes, where):
+        return text + (f"; {names} would fit, but the optimizer refuses it on "
+                       f"{where['gpus']} GPU(s) under {where['sharding']} (gradient streaming "
+                       "is single-process only)")
     if real:
         return text + (f"; {names} would fit, a setting the real-model store has not "
                        "measured (bench/convergence/study.py, then quality_store.py; or "
@@ -806,6 +830,7 @@ def _quality_provenance(out: ModelledOutcome) -> dict[str, Any]:
                 "bar": store.real.bar,
                 "limits": json.loads(json.dumps(bar_limits(store.real.bar))),
                 "setting_class": v.name,
+                "trains": {f"on a {kind} gradient": name for kind, name in v.trains.items()},
                 "models": sorted({rs.workloads[r.workload]["model"] for r in v.results}),
                 "seeds": sorted({seed for r in v.results for seed in r.seeds}),
                 "workloads": {r.workload: {"seeds": list(r.seeds),

@@ -14,10 +14,17 @@ A setting **passes** when every workload it was measured on is within the bar
 (:data:`BARS`) and it was measured, at 2 seeds or more, on every *core* workload of the
 store. A setting the store has not measured is *unmeasured*: the tuner says so and leaves
 it out; nothing is interpolated.
+
+A setting with ``fresh_if_spread`` on trains two schedules: as given on a concentrated
+gradient, and freshened (``host_betas="window"``, ``apply_delay=1``, the rest alike) on a
+spread one. It passes only where both were measured and passed (and its own rows, where the
+store has some, passed too): :meth:`RealStore.verdict`. The study's rows ran with it off
+unless their setting says so, and are keyed so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -26,7 +33,7 @@ from typing import Any
 
 __all__ = ["QUALITY_KEYS", "OTHER_ARITHMETIC", "KEY_LEFT_OUT", "BARS", "DEFAULT_BAR",
            "STORE_PATH", "RealStoreError", "RealStore", "Verdict", "WorkloadResult",
-           "setting_key", "load_store"]
+           "setting_key", "switched", "load_store"]
 
 QUALITY_KEYS = ("topk_ratio", "update_interval", "select_interval", "host_lr_scale", "overlap",
                 "dense_params", "apply_delay", "accumulator_dtype", "host_betas")
@@ -35,10 +42,11 @@ point). In a quality study's point key (``modelled.point_key``) an ``apply_delay
 (the default schedule), an ``accumulator_dtype`` of "float32" and a ``host_betas`` of "step"
 are left out (:data:`KEY_LEFT_OUT`), so points stored before those were searched keep
 theirs."""
-OTHER_ARITHMETIC = ("host_state_dtype", "warmup_steps", "min_offload_numel", "score")
+OTHER_ARITHMETIC = ("host_state_dtype", "warmup_steps", "min_offload_numel", "score",
+                   "fresh_if_spread")
 """Settings the tuner does not search that change the arithmetic too: part of a real-model
 setting's key (:func:`setting_key`), so a profile that sets them is not judged by rows that
-ran without them."""
+ran without them (``fresh_if_spread``: switching the schedule on a spread gradient)."""
 KEY_LEFT_OUT = {"apply_delay": None, "accumulator_dtype": "float32", "host_betas": "step"}
 """Values of :data:`QUALITY_KEYS` that a point's key leaves out (those settings' values
 before they were keys)."""
@@ -54,7 +62,9 @@ loss (nats) at most ``loss`` above AdamW's and (classifiers) accuracy at most
 8``, docs/quality.md). The tuner uses ``"tuned"`` unless told otherwise."""
 DEFAULT_BAR = "tuned"
 STORE_PATH = Path(__file__).resolve().parent / "data" / "real_quality.json"
-FORMAT = 1
+FORMAT = 2
+"""2: every entry's settings name ``fresh_if_spread`` as its rows ran (1 left it out, and
+its rows ran with it off)."""
 MIN_SEEDS = 2
 
 
@@ -62,14 +72,29 @@ class RealStoreError(ValueError):
     """The real-model store is missing, corrupt, or asked for an unknown bar."""
 
 
+def switched(settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The settings a spread gradient switches ``settings`` to (``fresh_if_spread`` on a
+    stale default: ``host_betas="window"``, ``apply_delay=1``, the rest alike), or None
+    where nothing switches."""
+    from zenflow_triton.columns.spread import freshened
+    from zenflow_triton.config import ZenFlowConfig
+
+    keys = QUALITY_KEYS + OTHER_ARITHMETIC
+    if freshened(ZenFlowConfig(**{k: v for k, v in settings.items() if k in keys})) is None:
+        return None
+    return dict(settings, host_betas="window", apply_delay=1, fresh_if_spread=False)
+
+
 def setting_key(settings: dict[str, Any]) -> str:
     """The identity of a setting class: its :data:`QUALITY_KEYS` and :data:`OTHER_ARITHMETIC`
     as ``ZenFlowConfig`` resolves them (defaults filled in, numbers as floats, the select
     interval and apply delay in steps, the apply delay None without overlap; the dense set as
     ``"dense"`` when it is the library's, ``"none"`` when empty; what a window of one gradient
-    makes moot, None), as JSON. Two settings with the same key train the same arithmetic on
-    fp32 models (where the window is summed, or whether the gradient streams, does not
-    change it)."""
+    makes moot, None; ``fresh_if_spread`` True only where it may switch the schedule:
+    :func:`~zenflow_triton.columns.spread.freshened`), as JSON. Two settings with the same key
+    train the same arithmetic on fp32 models (where the window is summed, or whether the
+    gradient streams, does not change it)."""
+    from zenflow_triton.columns.spread import freshened
     from zenflow_triton.config import ZenFlowConfig
 
     keys = QUALITY_KEYS + OTHER_ARITHMETIC
@@ -83,6 +108,7 @@ def setting_key(settings: dict[str, Any]) -> str:
     key["dense_params"] = "dense" if dense == default_dense else "none" if not dense else dense
     key["apply_delay"] = float(cfg.effective_apply_delay) if cfg.overlap else None
     key["select_interval"] = float(cfg.effective_select_interval)
+    key["fresh_if_spread"] = freshened(cfg) is not None
     if cfg.update_interval == 1:  # a window of one gradient: one computation whatever these say
         for k in ("host_betas", "host_lr_scale", "accumulator_dtype", "apply_delay"):
             key[k] = None
@@ -108,34 +134,59 @@ class WorkloadResult:
 @dataclass(frozen=True)
 class Verdict:
     """A setting's verdict on the store: ``measured`` (at :data:`MIN_SEEDS` seeds on every
-    core workload), ``passed`` (measured and within the bar everywhere it was measured)."""
+    core workload), ``passed`` (measured and within the bar everywhere it was measured).
+    For a setting that switches on a spread gradient (:func:`switched`), ``name``,
+    ``results`` and ``missing`` are its schedule's as given, :attr:`spread` the verdict of
+    the one it switches to, :attr:`own` that of its own rows (where the store has some);
+    ``measured`` and ``passed`` are of all of them."""
     key: str
     name: str | None                     # the study's name for the setting class
     measured: bool
     passed: bool
     results: tuple[WorkloadResult, ...] = ()
     missing: tuple[str, ...] = ()        # core workloads without MIN_SEEDS seeds
+    spread: "Verdict | None" = None      # the schedule a spread gradient switches it to
+    own: "Verdict | None" = None         # its own rows, switching as they ran
+
+    def _all(self) -> tuple[WorkloadResult, ...]:
+        return self.results + sum((v.results for v in (self.spread, self.own) if v), ())
 
     @property
     def failed(self) -> tuple[WorkloadResult, ...]:
-        return tuple(r for r in self.results if not r.passed)
+        return tuple(r for r in self._all() if not r.passed)
 
     @property
     def worst_loss_delta(self) -> float | None:
-        return max((r.loss_delta for r in self.results), default=None)
+        return max((r.loss_delta for r in self._all()), default=None)
 
     @property
     def worst_accuracy_delta(self) -> float | None:
-        accs = [r.accuracy_delta_pts for r in self.results if r.accuracy_delta_pts is not None]
+        accs = [r.accuracy_delta_pts for r in self._all() if r.accuracy_delta_pts is not None]
         return min(accs, default=None)
 
+    @property
+    def trains(self) -> dict[str, str | None]:
+        """The setting class it trains on each kind of gradient (the study's names)."""
+        return {"concentrated": self.name,
+                "spread": self.name if self.spread is None else self.spread.name}
+
     def summary(self) -> str:
-        if not self.measured:
-            return ("not measured on real models" + (f" (missing: {', '.join(self.missing)})"
-                                                    if self.missing else ""))
-        if self.passed:
+        text = self._summary()
+        if self.spread is not None:
+            other = self.spread.name or "a class the store lacks"
+            text += (f"; on a spread gradient it trains as {other} (fresh_if_spread): "
+                     f"{self.spread._summary()}")
+        if self.own is not None and self.own.failed:
+            text += "; its own rows failed on " + "; ".join(r.describe() for r in self.own.failed)
+        return text
+
+    def _summary(self) -> str:
+        """This schedule's own part (``measured`` is ``not missing`` for one schedule)."""
+        if self.missing:
+            return f"not measured on real models (missing: {', '.join(self.missing)})"
+        if all(r.passed for r in self.results):
             return f"passed on {len(self.results)} real-model workloads"
-        return "failed on " + "; ".join(r.describe() for r in self.failed)
+        return "failed on " + "; ".join(r.describe() for r in self.results if not r.passed)
 
 
 @dataclass
@@ -149,6 +200,22 @@ class RealStore:
     """setting key -> {"name", "settings", "results": {workload: {...}}}"""
 
     def verdict(self, settings: dict[str, Any], bar: str = DEFAULT_BAR) -> Verdict:
+        """``settings``' verdict by ``bar``; one that switches on a spread gradient
+        (:func:`switched`) passes only where its schedule as given and the one it switches
+        to both passed (and its own rows, if any, failed nowhere)."""
+        fresh = switched(settings)
+        if fresh is None:
+            return self._verdict(settings, bar)
+        given = self._verdict(dict(settings, fresh_if_spread=False), bar)
+        spread = self._verdict(fresh, bar)
+        own = self._verdict(settings, bar)
+        own = own if own.name is not None else None
+        measured = given.measured and spread.measured
+        return dataclasses.replace(
+            given, key=setting_key(settings), measured=measured, spread=spread, own=own,
+            passed=measured and given.passed and spread.passed and not (own and own.failed))
+
+    def _verdict(self, settings: dict[str, Any], bar: str) -> Verdict:
         limits = bar_limits(bar)
         key = setting_key(settings)
         entry = self.entries.get(key)

@@ -115,7 +115,8 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
                 f"{store.limit - out.best.point.heldout_loss:.4f}")
         prov["citations"] = doc["provenance"].get("citations", [])
         settings = dict(doc["settings"])
-        settings.update(out.best.point.settings)
+        settings.pop("fresh_if_spread", None)  # the point's say (pinned off where its switch
+        settings.update(out.best.point.settings)  # on a spread gradient did not pass)
         for key in ("accumulate_on", "stream_grads"):  # what made it fit (rank_points)
             if key in out.best.settings:
                 settings[key] = out.best.settings[key]

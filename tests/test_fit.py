@@ -12,6 +12,7 @@ import torch
 
 from zenflow_triton import DoesNotFitError, ZenFlowOptimizer
 from zenflow_triton import fit as F
+from zenflow_triton.config import ZenFlowConfig
 from zenflow_triton.profiles import load_profile
 
 from tests.support.profiles import pin_profile
@@ -244,3 +245,63 @@ def test_the_host_side_is_checked_against_the_memory_available(monkeypatch):
     monkeypatch.setattr(F, "host_capacity_bytes", lambda: int(need / 0.9) + 2)
     ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5).close()
     assert F.host_capacity_bytes.__name__  # (the real one reads /proc/meminfo)
+
+
+def test_fit_lean_that_turns_streaming_on_says_what_it_does_to_grad_and_clipping(monkeypatch):
+    """A plain loop's clip_grad_norm_ after fit='lean' took stream_grads would clip the
+    biases alone: the warning says .grad is None and to clip with max_grad_norm instead."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).to(
+        torch.bfloat16)
+    lean, streamed = _needs(model, **F.LEAN), _needs(model, **F.STREAMED)
+    _capacity(monkeypatch, (streamed + lean) // 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5,
+                                            fit="lean")
+    try:
+        assert opt.config.stream_grads
+        text = " ".join(str(w.message) for w in caught if "fit='lean'" in str(w.message))
+        for needed in (".grad is None", "clip_grad_norm_", "biases", "max_grad_norm="):
+            assert needed in text, (needed, text)
+        model(torch.ones(2, 256, dtype=torch.bfloat16)).float().sum().backward()
+        assert model[0].weight.grad is None and model[0].bias.grad is not None  # as it says
+    finally:
+        opt.close(finish=False)
+    # where only the lean settings are taken, nothing is said about streaming
+    _capacity(monkeypatch, lean)
+    with pytest.warns(UserWarning, match="fit='lean'") as rec:
+        ZenFlowOptimizer.from_profile("a100-pcie4", model.named_parameters(), lr=2e-5,
+                                      fit="lean").close()
+    assert not any(".grad is None" in str(w.message) for w in rec)
+
+
+def test_a_streamed_gradient_counts_the_device_columns_and_the_largest_gradient_twice():
+    """Counted by hand, not by the function under test: with stream_grads each matrix keeps
+    its device columns' gradient [rows, k] (bf16) and, at a selection, its column scores
+    (fp32, one per column); a hook holds one whole gradient (the largest matrix's, bf16) and
+    the gather of its host columns (at most as large) at once."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False),
+                                torch.nn.Linear(256, 512, bias=False),
+                                torch.nn.Linear(512, 256, bias=False)).to(torch.bfloat16)
+    cfg = ZenFlowConfig(topk_ratio=0.1, min_offload_numel=1000, **F.STREAMED)
+    shapes = [(256, 256), (512, 256), (256, 512)]  # [rows, cols] = [out, in]
+    k = {256: 26, 512: 51}  # round(0.1 x cols)
+    columns = sum(rows * k[cols] * 2 + cols * 4 for rows, cols in shapes)
+    largest = 512 * 256 * 2
+    got = F.device_bytes(model.named_parameters(), cfg)
+    assert got.grads == columns + 2 * largest
+    assert got.params == sum(r * c for r, c in shapes) * 2
+
+
+@pytest.mark.parametrize("acc_dtype,acc_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_host_bytes_count_the_window_accumulator_where_the_host_sums(acc_dtype, acc_bytes):
+    """Per host-owned element: fp32 master (4), two fp32 moments (8), the bf16 outbox (2) and,
+    summed on the host over a window of more than one step, the accumulator."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False),
+                                torch.nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
+    host = 64 * (128 - 13) + 128 * (64 - 6)  # rows x (cols - round(0.1 x cols))
+    kw = dict(topk_ratio=0.1, min_offload_numel=1000, accumulator_dtype=acc_dtype)
+    on_host = ZenFlowConfig(accumulate_on="host", update_interval=4, **kw)
+    assert F.host_bytes(model.named_parameters(), on_host) == host * (4 + 8 + 2 + acc_bytes)
+    for no_sum in (on_host.replace(accumulate_on="device"), on_host.replace(update_interval=1)):
+        assert F.host_bytes(model.named_parameters(), no_sum) == host * (4 + 8 + 2)

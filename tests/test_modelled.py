@@ -491,3 +491,25 @@ def test_a_betas_grid_adds_window_points_above_interval_one(dirs, fake):
     assert [c.get("host_betas", "step") for c in fake["train"]] == [p[1] for p in pts]
     assert "betas" in MD.format_modelled_table(out, top=len(pts))
     assert MD.modelled_provenance(out)["grid"]["host_betas"] == ["step", "window"]
+
+
+@pytest.mark.parametrize("profile,model,gpus,sharding", [
+    ("a100-pcie4", "llama3-8b", 2, "ddp"), ("a100-pcie4", "llama3-8b", 2, "fsdp2"),
+    ("a100-pcie4", "llama3-8b", 1, "fsdp2"), ("rtx4090-pcie4", "llama2-7b", 2, "ddp")])
+def test_the_tuner_never_ranks_or_saves_streaming_where_the_optimizer_refuses_it(
+        dirs, profile, model, gpus, sharding):
+    """Streaming is refused under DDP and FSDP2 (``StreamingError`` at construction): on one
+    GPU the pick streams (Llama-3-8B on 40 GB, Llama-2-7B on an RTX 4090), on more
+    ranks or FSDP2 no eligible row and no saved profile does."""
+    card = MD.profile_of(profile, 40) if profile == "a100-pcie4" else profile
+    one = MD.run_modelled(profile=card, model=model, quality="real", log=quiet)
+    assert one.best is not None and one.best.settings.get("stream_grads") is True
+    out = MD.run_modelled(profile=card, model=model, gpus=gpus, sharding=sharding,
+                          quality="real", save_as="many", log=quiet)
+    assert not [r.settings for r in out.rows if r.eligible and r.settings.get("stream_grads")]
+    if out.best is None:
+        with pytest.raises(ProfileNotFoundError):
+            load_profile("many")
+        assert any("refuses" in n for n in out.notes), out.notes
+    else:
+        assert not load_profile("many").settings.get("stream_grads")

@@ -54,7 +54,8 @@ def test_the_shipped_store_loads_with_provenance_and_its_core_measured():
 
 
 def _store(tmp_path, entries, core=("lm1", "cls1")) -> Path:
-    doc = {"format": 1, "provenance": {"date": "2026-12-06", "commit": "abc", "seeds": [0, 1]},
+    doc = {"format": RQ.FORMAT,
+           "provenance": {"date": "2026-12-06", "commit": "abc", "seeds": [0, 1]},
            "core": list(core),
            "workloads": {"lm1": {"model": "M1", "kind": "lm", "task": "t"},
                          "cls1": {"model": "M2", "kind": "classification", "task": "t"},
@@ -66,8 +67,14 @@ def _store(tmp_path, entries, core=("lm1", "cls1")) -> Path:
 
 
 def _entry(name, settings, **results):
-    return {"name": name, "settings": settings,
-            "results": {w: dict(seeds=[0, 1], **r) for w, r in results.items()}}
+    """A class's rows, run as the study runs them (``fresh_if_spread`` off unless said)."""
+    return {"name": name, "settings": dict({"fresh_if_spread": False}, **settings),
+            "results": {w: dict({"seeds": [0, 1]}, **r) for w, r in results.items()}}
+
+
+def _off(settings):
+    """``settings`` as the study ran them: no switch on a spread gradient."""
+    return dict(settings, fresh_if_spread=False)
 
 
 def test_verdicts_pass_fail_and_unmeasured_by_the_bar(tmp_path):
@@ -84,19 +91,19 @@ def test_verdicts_pass_fail_and_unmeasured_by_the_bar(tmp_path):
                cls2=dict(loss_delta=0.05, accuracy_delta_pts=0.0)),
     ])
     store = RQ.load_store(path)
-    ok = store.verdict({"topk_ratio": 0.1, "update_interval": 4, "select_interval": 64})
+    ok = store.verdict(_off({"topk_ratio": 0.1, "update_interval": 4, "select_interval": 64}))
     assert ok.measured and ok.passed and "passed on 2" in ok.summary()
-    assert store.verdict({}, "default").passed  # +0.009 <= 0.01, -0.4 >= -0.5
-    acc = store.verdict({"topk_ratio": 0.02, "update_interval": 8}, "tuned")
+    assert store.verdict(_off({}), "default").passed  # +0.009 <= 0.01, -0.4 >= -0.5
+    acc = store.verdict(_off({"topk_ratio": 0.02, "update_interval": 8}), "tuned")
     assert acc.measured and not acc.passed and "accuracy -1.6 pts < -1.5" in acc.failed[0].why
-    lm = store.verdict({"topk_ratio": 0.05})
+    lm = store.verdict(_off({"topk_ratio": 0.05}))
     assert not lm.passed and lm.failed[0].workload == "lm1"
-    assert store.verdict({"topk_ratio": 0.05}, "default").failed[0].why.startswith("loss")
-    half = store.verdict({"topk_ratio": 0.2})
+    assert store.verdict(_off({"topk_ratio": 0.05}), "default").failed[0].why.startswith("loss")
+    half = store.verdict(_off({"topk_ratio": 0.2}))
     assert not half.measured and not half.passed and half.missing == ("cls1",)
     assert "not measured" in half.summary()
     # a workload beyond the core counts against a setting measured on it
-    extra = store.verdict({"topk_ratio": 0.3})
+    extra = store.verdict(_off({"topk_ratio": 0.3}))
     assert extra.measured and not extra.passed and extra.failed[0].workload == "cls2"
     # a divergence fails the setting on that workload; it is never "not measured"
     div = _store(tmp_path, [dict(_entry("div", {}, cls1=dict(loss_delta=0.0,
@@ -104,18 +111,20 @@ def test_verdicts_pass_fail_and_unmeasured_by_the_bar(tmp_path):
                                  results={"cls1": {"seeds": [0, 1], "loss_delta": 0.0},
                                           "lm1": {"seeds": [0, 1], "diverged": 1,
                                                   "loss_delta": None}})])
-    d = RQ.load_store(div).verdict({})
+    d = RQ.load_store(div).verdict(_off({}))
     assert d.measured and not d.passed and "diverged on 1 seed(s)" in d.failed[0].why
-    never = store.verdict({"topk_ratio": 0.5})
+    never = store.verdict(_off({"topk_ratio": 0.5}))
     assert not never.measured and never.name is None
     with pytest.raises(RQ.RealStoreError, match="unknown quality bar 'loose'"):
-        store.verdict({}, "loose")
+        store.verdict(_off({}), "loose")
 
 
 def test_setting_keys_name_the_arithmetic_not_the_spelling():
     key = RQ.setting_key
     assert key({}) == key({"topk_ratio": 0.1, "update_interval": 4, "select_interval": 64,
-                           "apply_delay": 4, "host_lr_scale": "adaptive"})
+                           "host_lr_scale": "adaptive"})
+    # an apply_delay given (even the default's) is never switched by fresh_if_spread
+    assert key({"apply_delay": 4}) == key({"fresh_if_spread": False}) != key({})
     assert key({"accumulate_on": "host", "stream_grads": True}) == key({})  # same arithmetic
     assert key({"dense_params": []}) == key({"dense_params": ()}) != key({})
     assert key({"apply_delay": 1}) != key({})
@@ -125,18 +134,18 @@ def test_setting_keys_name_the_arithmetic_not_the_spelling():
 
 @pytest.mark.parametrize("text, match", [
     ("{", "not readable JSON"),
-    ('{"format": 2}', "format 2"),
-    ('{"format": 1, "core": ["x"], "workloads": {}, "entries": []}', "not described"),
-    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
+    ('{"format": 1}', "format 1"),
+    ('{"format": 2, "core": ["x"], "workloads": {}, "entries": []}', "not described"),
+    ('{"format": 2, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
      '"entries": [{"name": "n", "settings": {}, "results": {"v": {"loss_delta": 0, '
      '"seeds": [0]}}}]}', "unknown workload 'v'"),
-    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
+    ('{"format": 2, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
      '"entries": [{"name": "n", "settings": {}, "results": {"w": {"seeds": [0]}}}]}',
      "malformed"),
-    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
+    ('{"format": 2, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
      '"entries": [{"name": "n", "settings": {}, "results": {"w": {"seeds": [0], '
      '"loss_delta": "x"}}}]}', "loss_delta must be a finite number"),
-    ('{"format": 1, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
+    ('{"format": 2, "core": [], "workloads": {"w": {"kind": "lm", "model": "m", "task": "t"}}, '
      '"entries": [{"name": "a", "settings": {}, "results": {}}, '
      '{"name": "b", "settings": {"topk_ratio": 0.1}, "results": {}}]}', "are one setting"),
 ])
@@ -253,3 +262,119 @@ def test_quality_options_that_would_be_ignored_are_refused(extra, message, dirs,
             "llama2-7b", "--no-profile"] + extra
     assert cli.main(argv) == 1
     assert message in capsys.readouterr().err
+
+
+# ---- fresh_if_spread: a setting that switches on a spread gradient -----------------------------
+STALE = {"topk_ratio": 0.1, "update_interval": 4}
+FRESH = dict(STALE, host_betas="window", apply_delay=1)
+GOOD = dict(lm1=dict(loss_delta=0.001), cls1=dict(loss_delta=0.001, accuracy_delta_pts=0.0))
+BAD = dict(lm1=dict(loss_delta=0.001), cls1=dict(loss_delta=0.001, accuracy_delta_pts=-3.0))
+
+
+def test_setting_keys_name_fresh_if_spread_where_it_can_switch():
+    key = RQ.setting_key
+    assert key(STALE) != key(_off(STALE))  # the default switches on a spread gradient
+    assert key(dict(STALE, fresh_if_spread=True)) == key(STALE)
+    # where it cannot switch (a fresh schedule, a window of one, an apply_delay given,
+    # no overlap) it is moot
+    for moot in (FRESH, dict(STALE, update_interval=1), dict(STALE, apply_delay=2),
+                 dict(STALE, overlap=False)):
+        assert key(moot) == key(_off(moot)), moot
+    assert RQ.switched(STALE) == dict(FRESH, fresh_if_spread=False)
+    assert RQ.switched(_off(STALE)) is None and RQ.switched(FRESH) is None
+
+
+@pytest.mark.parametrize("fresh_rows, own_rows, passes", [
+    (GOOD, None, True), (None, None, False), (BAD, None, False), (GOOD, BAD, False)],
+    ids=["both-passed", "fresh-unmeasured", "fresh-failed", "own-rows-failed"])
+def test_a_switching_setting_passes_only_where_both_schedules_passed(tmp_path, fresh_rows,
+                                                                     own_rows, passes):
+    entries = [_entry("stale", STALE, **GOOD)]
+    if fresh_rows:
+        entries.append(_entry("fresh", FRESH, **fresh_rows))
+    if own_rows:
+        entries.append(_entry("switching", dict(STALE, fresh_if_spread=True), **own_rows))
+    store = RQ.load_store(_store(tmp_path, entries))
+    assert store.verdict(_off(STALE)).passed  # the schedule as given, alone
+    v = store.verdict(STALE)
+    assert v.passed is passes
+    assert v.measured is (fresh_rows is not None)
+    assert v.trains == {"concentrated": "stale", "spread": "fresh" if fresh_rows else None}
+    if not passes:
+        assert "on a spread gradient" in v.summary() or "own rows failed" in v.summary()
+    # the tuner: the point as the default runs where that passed, else pinned off
+    point = next(p for p in MD.real_quality_store(None, "tuned", path=store.path).points
+                 if p.settings["topk_ratio"] == 0.1 and p.settings["host_betas"] == "step")
+    assert point.feasible
+    assert point.settings.get("fresh_if_spread", True) is passes
+    trains = point.verdict.trains
+    assert trains["spread"] == ("fresh" if passes else "stale")
+
+
+def test_study_rows_are_keyed_as_they_ran(tmp_path, monkeypatch):
+    """The study's rows ran with fresh_if_spread off unless their setting turns it on: the
+    defaults' rows (zenflow-defaults-fresh-if-spread) and the stale default's
+    (zenflow-adaptive-dense) are two classes, not one."""
+    sys.path.insert(0, str(ROOT / "bench" / "convergence"))
+    import quality_store as QS
+
+    rows = []
+    for opt, loss in (("adamw", 1.0), ("zenflow-adaptive-dense", 1.01),
+                      ("zenflow-defaults-fresh-if-spread", 1.02)):
+        for seed in (0, 1):
+            rows.append({"workload": "smollm2", "optimizer": opt, "seed": seed,
+                         "final": {"loss": loss}})
+    src = tmp_path / "rows.json"
+    src.write_text(json.dumps(rows))
+    monkeypatch.setattr(QS, "ROOT", tmp_path)  # (provenance names files under it)
+    doc = QS.build([src])
+    by_name = {e["name"]: e for e in doc["entries"]}
+    assert set(by_name) == {"zenflow-adaptive-dense", "zenflow-defaults-fresh-if-spread"}
+    assert by_name["zenflow-adaptive-dense"]["settings"]["fresh_if_spread"] is False
+    assert by_name["zenflow-defaults-fresh-if-spread"]["settings"]["fresh_if_spread"] is True
+    assert len({RQ.setting_key(e["settings"]) for e in doc["entries"]}) == 2
+
+
+def test_every_built_in_profile_trains_what_its_quality_claim_measured():
+    """A built-in GPU profile's settings, as from_profile trains them (fresh_if_spread's
+    default included), pass on the shipped store, on a spread and a concentrated gradient,
+    and its provenance names the class it trains on each."""
+    from zenflow_triton.profiles import builtin_profile_dir
+
+    store = RQ.load_store()
+    for path in sorted(builtin_profile_dir().glob("*.json")):
+        prof = load_profile(path.stem)
+        if prof.provenance.get("source") != "modelled":
+            continue
+        v = store.verdict(prof.settings, prof.provenance["quality"]["bar"])
+        assert v.passed, (prof.name, v.summary())
+        named = prof.provenance["quality"]["trains"]
+        assert named == {"on a concentrated gradient": v.trains["concentrated"],
+                         "on a spread gradient": v.trains["spread"]}, prof.name
+
+
+def test_one_seed_on_a_core_workload_is_not_measured(tmp_path):
+    one = _entry("one", {}, **GOOD)
+    one["results"]["cls1"]["seeds"] = [0]
+    store = RQ.load_store(_store(tmp_path, [one]))
+    v = store.verdict(_off({}))
+    assert not v.measured and not v.passed and v.missing == ("cls1",)
+    assert not MD.real_quality_store(None, "tuned", path=store.path).points
+
+
+def test_a_point_that_failed_is_never_picked_though_measured(dirs):
+    """The pick on h100-sxm5 with Llama-2-7B passed the bar on every workload, judged here
+    from the store's own figures; every eligible row passed."""
+    out = MD.run_modelled(profile="h100-sxm5", model="llama2-7b", quality="real",
+                          log=lambda m: None)
+    limits = RQ.BARS["tuned"]
+    store = out.store.real.store
+    assert any(r.point.verdict.measured and not r.point.verdict.passed and r.fits
+               for r in out.rows)  # (something measured that failed would fit)
+    for row in [r for r in out.rows if r.eligible]:
+        v = row.point.verdict
+        for res in v.results + (v.spread.results if v.spread else ()):
+            kind = store.workloads[res.workload]["kind"]
+            assert res.loss_delta <= limits[kind]["loss"], (row.point.verdict.name, res)
+            if res.accuracy_delta_pts is not None:
+                assert res.accuracy_delta_pts >= limits[kind]["accuracy_pts"], res

@@ -329,3 +329,62 @@ def test_streamed_gradients_and_the_dense_set_are_measured_alike():
         for cfg in ({}, {"stream_grads": True, "max_grad_norm": 1e9}):
             alike = share(topk_ratio=ratio, **cfg)
             assert alike["share"] == pytest.approx(plain["share"], rel=1e-5), (ratio, cfg)
+
+
+def test_the_share_is_the_element_weighted_mean_of_each_matrixs_top_share():
+    """Counted here from the first step's gradients: per matrix, the top 10% of its column
+    scores (sum of g² per column) over their sum; the mean weighted by each matrix's size
+    (a 64x48 and an 8x64 matrix: a plain mean would be far off)."""
+    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 48, generator=g) * torch.linspace(0.1, 4.0, 48)
+    y = torch.randn(16, 8, generator=g)
+    opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-3, **CFG)
+    (model(x) - y).pow(2).mean().backward()
+    shares, sizes = [], []
+    for layer in (model[0], model[2]):
+        scores = layer.weight.grad.double().pow(2).sum(0)
+        k = max(1, round(0.1 * scores.numel()))
+        shares.append(float(scores.sort(descending=True).values[:k].sum() / scores.sum()))
+        sizes.append(layer.weight.numel())
+    opt.step()
+    got = opt.stats()["spread"]["share"]
+    opt.close()
+    want = sum(n * s for n, s in zip(sizes, shares)) / sum(sizes)
+    plain = sum(shares) / len(shares)
+    assert abs(plain - want) > 1e-2  # the two means differ here
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_a_checkpoint_before_the_first_selection_measures_after_the_resume(warmup):
+    """Saved before the first selection (before any step, or in warm-up), the resumed run
+    measures the spread at its first selection and trains as the uninterrupted run."""
+    want, ref = run(concentrated=False, warmup_steps=warmup)
+    share = ref.stats()["spread"]["share"]
+    ref.close()
+    assert share is not None and share < SPREAD_SHARE
+    model, data = model_and_data(False)
+    opt = ZenFlowOptimizer(model.named_parameters(), lr=FAR, **CFG, warmup_steps=warmup)
+    for x in data[:warmup]:
+        loss(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    opt.close(finish=False)
+    model2, _ = model_and_data(False, seed=5)
+    model2.load_state_dict(saved["model"])
+    opt2 = ZenFlowOptimizer(model2.named_parameters(), lr=FAR, **CFG, warmup_steps=warmup)
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.stats()["spread"]["share"] is None
+    for x in data[warmup:]:
+        loss(model2, x).backward()
+        opt2.step()
+        opt2.zero_grad()
+    opt2.synchronize()
+    st = opt2.stats()["spread"]
+    got = [p.detach().clone() for p in model2.parameters()]
+    opt2.close()
+    assert st["share"] == share and st["fresh"]
+    assert same(got, want)

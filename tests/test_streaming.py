@@ -263,7 +263,7 @@ def test_config_errors_name_the_field():
         ZenFlowConfig(max_grad_norm=float("nan"))
 
     class Shard:  # what the optimizer's RowShard says under DDP
-        collective, split_rows = True, True
+        world, collective, split_rows = 2, True, True
     with pytest.raises(StreamingError, match="DDP"):
         check_streamable(ZenFlowConfig(stream_grads=True), Shard())
     check_streamable(ZenFlowConfig(), Shard())  # no streaming: nothing to refuse
@@ -434,7 +434,7 @@ def test_clipping_summed_micro_batches_of_device_only_matrices():
 def test_a_newer_optimizer_takes_the_params_over():
     model = mlp()
     old = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
-    with pytest.warns(UserWarning, match="takes it over"):
+    with pytest.warns(UserWarning, match="takes them over"):
         new = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
     try:
         next(batches(model))(model).backward()
@@ -445,6 +445,67 @@ def test_a_newer_optimizer_takes_the_params_over():
     finally:
         old.close()
         new.close()
+
+
+def _steps(model, opt, n):
+    data = batches(model)
+    for _ in range(n):
+        opt.zero_grad()
+        next(data)(model).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_second_optimizer_that_does_not_stream_trains_the_matrices():
+    """The first, streaming one still open: the second (not streaming) takes its params over,
+    with a warning naming both, and trains exactly as if it were alone."""
+    lone = mlp()
+    alone = ZenFlowOptimizer(lone.named_parameters(), lr=1e-2, **BASE)
+    want = _steps(lone, alone, 3)
+    alone.close()
+    model = mlp()
+    old = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, **BASE)
+    try:
+        text = " ".join(str(w.message) for w in caught)
+        assert f"{id(new):#x} (not streaming)" in text and f"{id(old):#x}" in text, text
+        assert "takes them over" in text
+        got = _steps(model, new, 3)
+        assert not old._stream.pending
+        assert_same(want, got, "the second optimizer beside an open streaming one")
+    finally:
+        old.close()
+        new.close()
+
+
+def test_a_plain_optimizer_built_beside_an_open_streaming_one_is_warned_about():
+    """torch's AdamW cannot be told apart at construction: its first step over params whose
+    gradients an open streaming optimizer takes is warned about (once), naming it; with
+    that one closed it trains them."""
+    model = mlp()
+    old = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, stream_grads=True, **BASE)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(model)
+    try:
+        next(data)(model).backward()
+        assert model[0].weight.grad is None  # the streaming one took it
+        with pytest.warns(UserWarning, match=f"AdamW steps params .* {id(old):#x}.* None"):
+            adamw.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            adamw.step()  # once
+    finally:
+        old.zero_grad()
+        old.close()
+    before = model[0].weight.detach().clone()
+    adamw.zero_grad()
+    next(data)(model).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adamw.step()
+    assert not torch.equal(before, model[0].weight)
 
 
 def test_closing_with_streamed_gradients_pending_drops_them_and_says_so():
@@ -467,6 +528,33 @@ def test_the_trainer_moves_clipping_for_a_profile_that_streams(tmp_path):
     opt = kw["optimizers"][0]
     try:
         assert opt.config.stream_grads and opt.config.max_grad_norm == 1.0
+        assert args.max_grad_norm == 0.0
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("how", ["asked", "profile"])
+def test_the_trainer_builds_the_optimizer_once_when_it_moves_clipping(tmp_path, monkeypatch,
+                                                                      how):
+    import zenflow_triton.hf as hf
+
+    built = []
+
+    class Counted(ZenFlowOptimizer):
+        def __init__(self, *a, **kw):
+            built.append(kw.get("max_grad_norm"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(hf, "ZenFlowOptimizer", Counted)
+    model = tiny_llama()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          max_grad_norm=0.5)
+    kw = (dict(profile="rtx4090-pcie4", fit="skip") if how == "profile" else
+          dict(stream_grads=True, **{k: v for k, v in BASE.items() if k != "accumulate_on"}))
+    with pytest.warns(UserWarning, match="moves max_grad_norm"):
+        opt = hf.trainer_kwargs(model, args, **kw)["optimizers"][0]
+    try:
+        assert built == [0.5] and opt.config.max_grad_norm == 0.5 and opt.config.stream_grads
         assert args.max_grad_norm == 0.0
     finally:
         opt.close()

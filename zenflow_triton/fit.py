@@ -45,6 +45,13 @@ STREAMED = dict(LEAN, stream_grads=True)
 """:data:`LEAN`, and the gradient streamed off the device during backward (``stream_grads``:
 training unchanged, but a matrix's ``.grad`` is gone after backward: clip with
 ``max_grad_norm``): what a model whose gradient does not fit beside its params needs."""
+STREAMING_CHANGES = (
+    ". With stream_grads each matrix's gradient leaves the device during backward: its .grad "
+    "is None after backward, so torch.nn.utils.clip_grad_norm_ (or a framework's clipping) "
+    "would clip the biases and norms alone and GradScaler is refused; pass max_grad_norm=... "
+    "to the optimizer instead, which clips every column by the global norm (docs/design.md, "
+    "'Gradient streaming')")
+"""What a warning that turns streaming on says it changes for ``.grad`` and clipping."""
 DEVICE_HEADROOM = 0.1
 """The share of the device a fit leaves free (activations, the framework, the allocator)."""
 HOST_HEADROOM = 0.1
@@ -281,9 +288,10 @@ def fitted(params: Iterable, config: ZenFlowConfig, fit: str = "check"
     params = list(params)
     changes = check(params, config, fit)
     if changes:
+        streams = changes.get("stream_grads") and not config.stream_grads
         warnings.warn("these settings do not fit the device; taking "
                       + ", ".join(f"{k}={v!r}" for k, v in changes.items())
-                      + " (fit='lean')", stacklevel=3)
+                      + " (fit='lean')" + (STREAMING_CHANGES if streams else ""), stacklevel=3)
         config = config.replace(**changes)
     return params, config
 

@@ -32,6 +32,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from .checkpoint.state_dict import without_kernel_choices
+from .config import ZenFlowConfig
+from .fit import DoesNotFitError, check, profile_settings
 from .optimizer import ZenFlowOptimizer
 
 
@@ -104,25 +107,43 @@ def trainer_kwargs(model, args=None, *, profile: str | None = None,
     groups = [{"params": [(n, p) for n, p in named if n in decay], "weight_decay": wd},
               {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    def build(**more):
-        if profile is not None:
-            return ZenFlowOptimizer.from_profile(profile, groups, **hyper, **zenflow, **more)
-        return ZenFlowOptimizer(groups, **hyper, **zenflow, **more)
-
-    opt = build()
-    if (opt.config.stream_grads and args is not None and args.max_grad_norm
-            and opt.config.max_grad_norm is None):
+    settings = profile_settings(profile, zenflow) if profile is not None else dict(zenflow)
+    cfg = _streaming_config(groups, settings)
+    if cfg is not None and args is not None and args.max_grad_norm and cfg.max_grad_norm is None:
         # streaming (asked for, or a profile's, or the fit's): the Trainer's clip_grad_norm_
         # would see only the small params' .grad (the matrices' left during backward), so
         # the optimizer clips by the global norm instead
-        opt.close(finish=False)
-        opt = build(max_grad_norm=float(args.max_grad_norm))
+        if "config" in settings:
+            settings["config"] = cfg.replace(max_grad_norm=float(args.max_grad_norm))
+        else:
+            settings["max_grad_norm"] = float(args.max_grad_norm)
         warnings.warn(f"trainer_kwargs: stream_grads moves max_grad_norm="
                       f"{args.max_grad_norm} from the Trainer into the optimizer (set "
                       "args.max_grad_norm = 0), which clips every gradient by the global norm",
                       UserWarning, stacklevel=2)
         args.max_grad_norm = 0.0
+    try:
+        opt = ZenFlowOptimizer(groups, **hyper, **settings)
+    except DoesNotFitError as e:  # (as from_profile names it)
+        if profile is None:
+            raise
+        raise type(e)(f"profile {profile!r}: {e}") from None
     return {"optimizers": (opt, None), "callbacks": [ZenFlowCallback()]}
+
+
+def _streaming_config(groups: list[dict], settings: dict[str, Any]) -> ZenFlowConfig | None:
+    """The config the optimizer these keywords build will run, where it streams (asked for,
+    a profile's, or taken by ``fit="lean"``: ``fit.check`` says so without a warning); None
+    where it does not, or where the constructor will raise anyway (it says why)."""
+    try:
+        fields = without_kernel_choices({k: v for k, v in settings.items() if k not in (
+            "config", "fit", "process_group")}, "keyword arguments")
+        cfg = ZenFlowConfig.of(settings.get("config"), fields)
+        if not cfg.stream_grads and settings.get("fit") == "lean":
+            cfg = cfg.replace(**check(groups, cfg, "lean"))
+    except (TypeError, ValueError):  # (DoesNotFitError and ConfigError among them)
+        return None
+    return cfg if cfg.stream_grads else None
 
 
 __all__ = ["ZenFlowCallback", "trainer_kwargs"]

@@ -99,7 +99,8 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
                                   self._spread)
         # Gradient streaming's hooks (stream_grads), live grad bytes; clipping (max_grad_norm)
         self._stream = GradStream(cfg, self.ops, self.link, self._pipeline, self._dev,
-                                  self.state, lambda: self._global_step + 1, self._param_name)
+                                  self.state, lambda: self._global_step + 1, self._param_name,
+                                  label=f"the ZenFlowOptimizer at {id(self):#x}")
         self._stream.install(self._params(), self._kind)
         self._clip = Clipper(cfg.max_grad_norm, self._shard, self._stream)
         self._guard = StepGuard(self._pipeline)  # the failed state; all-or-nothing steps

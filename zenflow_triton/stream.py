@@ -47,6 +47,7 @@ import torch
 
 from .clipping import scale as scale_tensors, tensor_norms
 from .columns.layout import shape2d, view2d
+from .grad_owner import claim, holds, release, take_over
 from .kernels import column_scores_ref, nonfinite_flags
 from .schedule import plan_step
 from .state import MATRIX
@@ -56,21 +57,26 @@ class StreamingError(ValueError):
     """Gradient streaming cannot be used with these params or this setup."""
 
 
-_OWNER: dict[int, weakref.ref] = {}
-"""id(param) -> the GradStream its hook serves: one at a time (the latest optimizer built over
-it takes it over; an older one's hook then leaves the gradient alone). By id: a tensor's ``==``
-is elementwise, no dict key; an id reused by a later tensor is overwritten when that one's
-optimizer installs its hooks."""
+def topology_refusal(settings, *, world: int, fsdp: bool) -> str | None:
+    """Why the optimizer refuses ``settings`` (a ``ZenFlowConfig`` or a dict of its fields)
+    on ``world`` ranks, FSDP2's params (``fsdp``) or plain ones; None where it takes them.
+    The one rule: the constructor (:func:`check_streamable`) and the tuner, which must not
+    pick or save what a run on that topology would refuse, both ask it."""
+    get = settings.get if isinstance(settings, dict) else (
+        lambda k, default=None: getattr(settings, k, default))
+    if (world > 1 or fsdp) and get("stream_grads", False):
+        return ("stream_grads is not supported under DDP or FSDP2 yet: DDP averages a "
+                "gradient across ranks after the hook that would stream it (the hook would "
+                "send this rank's own gradient to the host), and FSDP2 holds sharded gradients "
+                "this version does not stream; use accumulate_on=\"host\" there")
+    return None
 
 
 def check_streamable(config, shard) -> None:
     """StreamingError, before anything is made, where ``stream_grads`` cannot work."""
-    if config.stream_grads and (shard.collective or not shard.split_rows):
-        raise StreamingError(
-            "stream_grads is not supported under DDP or FSDP2 yet: DDP averages a gradient "
-            "across ranks after the hook that would stream it (the hook would send this "
-            "rank's own gradient to the host), and FSDP2 holds sharded gradients this "
-            "version does not stream; use accumulate_on=\"host\" there")
+    why = topology_refusal(config, world=shard.world, fsdp=not shard.split_rows)
+    if why is not None:
+        raise StreamingError(why)
 
 
 @dataclass
@@ -115,13 +121,14 @@ class GradStream:
     streaming, the peak of live gradient bytes."""
 
     def __init__(self, config, ops, link, pipeline, device_half, state: dict,
-                 next_step: Callable[[], int], name_of: Callable[[torch.Tensor], str]) -> None:
-        self.config, self.ops, self.link = config, ops, link
+                 next_step: Callable[[], int], name_of: Callable[[torch.Tensor], str],
+                 label: str = "a ZenFlowOptimizer") -> None:
+        self.config, self.ops, self.link, self.label = config, ops, link, label
         self.pipeline, self.device_half, self.state = pipeline, device_half, state
         self.active = config.stream_grads
         self._next_step, self._name_of = next_step, name_of
         self._bufs: dict[torch.Tensor, _Buffers] = {}
-        self._handles: list = []
+        self._handles: dict[int, Any] = {}  # id(param) -> its hook's handle
         self._coef: torch.Tensor | None = None
         self._held = 0           # device bytes of the buffers kept between hooks
         self.peak_bytes = 0      # live device gradient bytes, the most seen
@@ -131,24 +138,30 @@ class GradStream:
 
     # ------------------------------------------------------------------ setup
     def install(self, params, kind_of: Callable[[torch.Tensor], str]) -> None:
-        """A hook on each trainable matrix param of ``params`` (``check_streamable`` first)."""
+        """Every trainable matrix param of ``params`` taken over from another open streaming
+        optimizer (``grad_owner.take_over``, streaming or not), then, when streaming, a hook
+        on each (``check_streamable`` first)."""
+        mats = [p for p in params if p.requires_grad and kind_of(p) == MATRIX]
+        take_over(self, mats, self._name_of)
         if not self.active:
             return
         this = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:  # the optimizer may be collected: then leave .grad
             stream = this()
-            if stream is not None and stream.active and _OWNER.get(id(p)) is this:
+            if stream is not None and stream.active and holds(stream, p):
                 stream._on_grad(p)
-        for p in params:
-            if p.requires_grad and kind_of(p) == MATRIX:
-                old = _OWNER.get(id(p))
-                if old is not None and old is not this and old() is not None and old().active:
-                    warnings.warn(f"{self._name_of(p)}: another open ZenFlowOptimizer streams "
-                                  "this param's gradient; the new one takes it over (close() "
-                                  "the old one)", UserWarning, stacklevel=4)
-                _OWNER[id(p)] = this
-                self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        for p in mats:
+            claim(self, p)
+            if id(p) not in self._handles:
+                self._handles[id(p)] = p.register_post_accumulate_grad_hook(hook)
+
+    def give_up(self, p: torch.Tensor) -> None:
+        """Another optimizer takes ``p`` over: this one's hook on it is removed."""
+        handle = self._handles.pop(id(p), None)
+        if handle is not None:
+            handle.remove()
+        release(self, p)
 
     def refuse_grad_scaler(self) -> bool:
         """StreamingError when streaming (``GradScaler.step`` asks this first); else False:
@@ -173,9 +186,10 @@ class GradStream:
                           UserWarning, stacklevel=4)
         self.discard()
         self.active = False
-        for h in self._handles:
+        for h in self._handles.values():
             h.remove()
-        self._handles = []
+        self._handles = {}
+        release(self)
         if self._adder is not None:
             self._adder.close()
 

@@ -32,7 +32,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from train import OPTIMIZERS, WARMUP_AS_LR  # noqa: E402
+from train import OPTIMIZERS, WARMUP_AS_LR, as_run  # noqa: E402
 from study import WORKLOADS, _lr  # noqa: E402  (a row's lr, the study's own rule)
 
 from autotune.realquality import FORMAT, STORE_PATH, setting_key  # noqa: E402
@@ -128,7 +128,8 @@ def build(files: list[Path]) -> dict:
                 res["accuracy_delta_pts"] = round(100 * acc, 3)
             results[wl] = res
             seeds_all.update(res["seeds"])
-        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()}
+        # as the rows ran (fresh_if_spread off unless the setting turns it on)
+        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in as_run(kw).items()}
         key = setting_key(settings)
         if key in entries:  # two names for one arithmetic: keep the one with more rows
             def rows_of(res: dict) -> int:

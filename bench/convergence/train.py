@@ -130,14 +130,18 @@ def _torch(zenflow: dict[str, Any] | None) -> bool:
     return zenflow is None or "torch_adamw" in zenflow
 
 
+def as_run(zenflow: dict[str, Any]) -> dict[str, Any]:
+    """The ZenFlow settings a named setting trains with: the schedule as written,
+    ``fresh_if_spread`` only where it says so (the rows before it existed ran without it).
+    ``quality_store.py`` keys each row by these."""
+    return {"fresh_if_spread": False, **zenflow}
+
+
 def make_optimizer(params, lr: float, zenflow: dict[str, Any] | None):
     if _torch(zenflow):
         fused = zenflow is not None and zenflow["torch_adamw"] == "fused"
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=fused or None)
-    # every named setting is the schedule as written: fresh_if_spread only where it says so
-    # (the rows before it existed ran without it)
-    return ZenFlowOptimizer(params, lr=lr, weight_decay=0.01,
-                            **{"fresh_if_spread": False, **zenflow})
+    return ZenFlowOptimizer(params, lr=lr, weight_decay=0.01, **as_run(zenflow))
 
 
 def run(job, *, zenflow: dict[str, Any] | None, lr: float, steps: int,

@@ -105,9 +105,10 @@ def _outside() -> int:
     return level
 
 
-def _freshened(config: ZenFlowConfig) -> ZenFlowConfig | None:
+def freshened(config: ZenFlowConfig) -> ZenFlowConfig | None:
     """The fresh schedule where ``fresh_if_spread`` may switch ``config`` to it (the stale
-    default, ``apply_delay`` not given), else None."""
+    default, ``apply_delay`` not given), else None: what a spread gradient trains with (the
+    real-model quality store asks, to judge such a setting by both schedules)."""
     if config.fresh_if_spread and config.stale_default and config.apply_delay is None:
         return dataclasses.replace(config, host_betas="window", apply_delay=1)
     return None
@@ -229,7 +230,7 @@ class Spread:
                 "host_betas='window', apply_delay=1",
                 UserWarning, stacklevel=_outside())
             return config
-        fresh = _freshened(config)
+        fresh = freshened(config)
         if fresh is not None:
             self.fresh = True
             log.info("the gradient is spread (%.2f of it in the top 10%% of "
@@ -274,7 +275,7 @@ class Spread:
         self.share = share if share == share else None
         travel = float(saved.get("travel", float("nan")))  # absent before it was measured
         self.travel = travel if travel == travel else None
-        fresh = _freshened(config) if saved.get("fresh") else None
+        fresh = freshened(config) if saved.get("fresh") else None
         self.fresh = fresh is not None
         return config if fresh is None else fresh
 
