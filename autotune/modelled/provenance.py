@@ -81,8 +81,6 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
     return doc
 
 
-
-
 def _quality_provenance(out: ModelledOutcome) -> dict[str, Any]:
     """Where a modelled profile's quality verdict came from: the real-model store (the
     models, workloads, seeds and the chosen setting's result on each) or the quality study

@@ -113,15 +113,7 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
     Inputs are checked before any training: an unknown profile raises
     :class:`~zenflow_triton.profiles.ProfileNotFoundError`, an unknown preset or a profile
     without accelerator facts (``cpu``) :class:`ModelledError`."""
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
-        raise ModelledError(f"gpus must be an int >= 1, got {gpus!r}")
-    if mfu is not None and not 0 < mfu <= 1:
-        raise ModelledError(f"mfu must be in (0, 1], got {mfu}")
-    if quality not in ("workload", "real"):
-        raise ModelledError(f"quality must be 'workload' or 'real', got {quality!r}")
-    if sharding not in M.SHARDINGS:
-        raise ModelledError(f"unknown sharding {sharding!r}; shardings: "
-                            f"{', '.join(M.SHARDINGS)}")
+    _check_inputs(gpus, mfu, quality, sharding)
     prof, hw = load_hardware(profile, host_adam_elements_per_s)
     wl = _workload(model, tokens, mfu)
     if save_as is not None:
@@ -131,33 +123,10 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
     # chunk_size, host_threads...) are kept as the profile has them, in its order
     base = dict(prof.settings)
     if quality == "real":
-        if grid is not None and (lean or lean is None and not any(
-                _fits(hw, wl, where, base, p) for p in grid.points())):
-            grid = dataclasses.replace(grid, lean=True)  # (as the workload's grid does)
-        # the lean settings the store measured compete like any other (their quality is
-        # measured, nothing to train); --lean no leaves them out
-        store = real_quality_store(grid, bar, base=base, lean=lean)
-        if store.real.unmeasured:
-            log(f"{len(store.real.unmeasured)} point(s) asked for are not measured on real "
-                "models: left out (bench/convergence/study.py measures a setting; "
-                "bench/convergence/quality_store.py adds it to the store)")
+        store = _real_store(hw, wl, where, base, grid, lean, bar, log)
     else:
-        if factory is None or ts is None:
-            f, t = default_quality_settings()
-            factory, ts = factory or f, ts or t
-        grid = grid or QualityGrid()
-        grid.points()  # validate before training
-        only = None
-        if lean is None and not grid.lean and not any(
-                _fits(hw, wl, where, base, p) for p in grid.points()):
-            grid, only = dataclasses.replace(grid, lean=True), _lean_or_fits(hw, wl, where, base)
-            log(f"no grid point fits {wl.name} on {hw.name} with the dense set: adding the "
-                f"lean variant ({', '.join(f'{k}={v!r}' for k, v in LEAN_POINT.items())}) of "
-                "each point that then fits")
-        elif lean:
-            grid = dataclasses.replace(grid, lean=True)
-        store = run_quality_grid(factory=factory, ts=ts, grid=grid, storage_url=storage_url,
-                                 study_name=study_name, log=log, only=only, **grid_kw)
+        store = _workload_store(hw, wl, where, base, grid, lean, factory, ts, log,
+                                storage_url=storage_url, study_name=study_name, **grid_kw)
     rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base, sharding=sharding)
     eligible = [r for r in rows if r.eligible]
     zo = M.predict(hw, wl, "zero-offload", config=M.zenflow_config(base), **where)
@@ -172,6 +141,59 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
         out.profile = modelled_profile(out, save_as)
         out.profile_path = save_profile(out.profile, profile_dir)
     return out
+
+
+def _check_inputs(gpus: Any, mfu: float | None, quality: str, sharding: str) -> None:
+    """:func:`run_modelled`'s arguments that no profile or preset is needed to check."""
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ModelledError(f"gpus must be an int >= 1, got {gpus!r}")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise ModelledError(f"mfu must be in (0, 1], got {mfu}")
+    if quality not in ("workload", "real"):
+        raise ModelledError(f"quality must be 'workload' or 'real', got {quality!r}")
+    if sharding not in M.SHARDINGS:
+        raise ModelledError(f"unknown sharding {sharding!r}; shardings: "
+                            f"{', '.join(M.SHARDINGS)}")
+
+
+def _real_store(hw: M.Hardware, wl: M.Workload, where: dict[str, Any], base: dict[str, Any],
+                grid: QualityGrid | None, lean: bool | None, bar: str,
+                log: Callable[[str], None]) -> QualityStore:
+    """:func:`run_modelled`'s quality from the real-model store (``quality="real"``)."""
+    if grid is not None and (lean or lean is None and not any(
+            _fits(hw, wl, where, base, p) for p in grid.points())):
+        grid = dataclasses.replace(grid, lean=True)  # (as the workload's grid does)
+    # the lean settings the store measured compete like any other (their quality is
+    # measured, nothing to train); --lean no leaves them out
+    store = real_quality_store(grid, bar, base=base, lean=lean)
+    if store.real.unmeasured:
+        log(f"{len(store.real.unmeasured)} point(s) asked for are not measured on real "
+            "models: left out (bench/convergence/study.py measures a setting; "
+            "bench/convergence/quality_store.py adds it to the store)")
+    return store
+
+
+def _workload_store(hw: M.Hardware, wl: M.Workload, where: dict[str, Any],
+                    base: dict[str, Any], grid: QualityGrid | None, lean: bool | None,
+                    factory: Callable[..., Any] | None, ts: TuneSettings | None,
+                    log: Callable[[str], None], **study_kw: Any) -> QualityStore:
+    """:func:`run_modelled`'s quality from the quality study on a workload
+    (``quality="workload"``): the grid points it lacks are trained first."""
+    if factory is None or ts is None:
+        f, t = default_quality_settings()
+        factory, ts = factory or f, ts or t
+    grid = grid or QualityGrid()
+    grid.points()  # validate before training
+    only = None
+    if lean is None and not grid.lean and not any(
+            _fits(hw, wl, where, base, p) for p in grid.points()):
+        grid, only = dataclasses.replace(grid, lean=True), _lean_or_fits(hw, wl, where, base)
+        log(f"no grid point fits {wl.name} on {hw.name} with the dense set: adding the "
+            f"lean variant ({', '.join(f'{k}={v!r}' for k, v in LEAN_POINT.items())}) of "
+            "each point that then fits")
+    elif lean:
+        grid = dataclasses.replace(grid, lean=True)
+    return run_quality_grid(factory=factory, ts=ts, grid=grid, log=log, only=only, **study_kw)
 
 
 def _prediction(hw: M.Hardware, wl: M.Workload, where: dict[str, Any],

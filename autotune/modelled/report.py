@@ -18,6 +18,34 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
     store, wl = out.store, out.workload
     zo_t = out.zero_offload.modelled_step_time_s
     real = store.real is not None
+    lines = _ranked_rows(out, top)
+    if real:
+        lines.append("dloss: the worst held-out loss minus AdamW's over the store's workloads "
+                     "(nats, mean of seeds); dacc: the worst accuracy minus AdamW's (points)")
+    lines.append(f"modelled zero-offload: {wl.tokens / zo_t:,.0f} tokens/s per GPU "
+                 f"({zo_t:.3f} s/step); model {wl.name}, {out.gpus} GPU(s) ({out.sharding}), "
+                 f"{wl.tokens} tokens/GPU/step on {out.hardware.name}")
+    faster = [r for r in out.rows if r.fits and not r.point.feasible
+              and (out.best is None or r.throughput > out.best.throughput)]
+    if faster:
+        f = faster[0]
+        why = (f.point.verdict.summary() if real else "diverged"
+               if f.point.heldout_loss is None
+               else f"loss {f.point.heldout_loss:.4f} > {store.limit:.4f}")
+        lines.append(f"fastest point overall: topk {f.point.settings['topk_ratio']:g}, "
+                     f"interval {f.point.settings['update_interval']}, "
+                     f"{f.throughput:,.0f} tokens/s, infeasible ({why})")
+    lines += peer_lines(out)
+    lines += _searched(out)
+    lines += [f"note: {n}" for n in out.notes]
+    return "\n".join(lines)
+
+
+def _ranked_rows(out: ModelledOutcome, top: int) -> list[str]:
+    """The table's head and its ``top`` best eligible rows."""
+    store = out.store
+    zo_t = out.zero_offload.modelled_step_time_s
+    real = store.real is not None
     # a betas column where the grid searched host_betas
     betas = any(r.point.settings.get("host_betas", "step") != "step" for r in out.rows)
     quality = (f"{'dloss':>8} {'dacc':>6}" if real else f"{'loss':>7} {'limit':>7}")
@@ -40,23 +68,15 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
             + f"{device_side(r.settings):<14}")
     if not out.eligible:
         lines.append("  (no feasible point fits)")
-    if real:
-        lines.append("dloss: the worst held-out loss minus AdamW's over the store's workloads "
-                     "(nats, mean of seeds); dacc: the worst accuracy minus AdamW's (points)")
-    lines.append(f"modelled zero-offload: {wl.tokens / zo_t:,.0f} tokens/s per GPU "
-                 f"({zo_t:.3f} s/step); model {wl.name}, {out.gpus} GPU(s) ({out.sharding}), "
-                 f"{wl.tokens} tokens/GPU/step on {out.hardware.name}")
-    faster = [r for r in out.rows if r.fits and not r.point.feasible
-              and (out.best is None or r.throughput > out.best.throughput)]
-    if faster:
-        f = faster[0]
-        why = (f.point.verdict.summary() if real else "diverged"
-               if f.point.heldout_loss is None
-               else f"loss {f.point.heldout_loss:.4f} > {store.limit:.4f}")
-        lines.append(f"fastest point overall: topk {f.point.settings['topk_ratio']:g}, "
-                     f"interval {f.point.settings['update_interval']}, "
-                     f"{f.throughput:,.0f} tokens/s, infeasible ({why})")
-    lines += peer_lines(out)
+    return lines
+
+
+def _searched(out: ModelledOutcome) -> list[str]:
+    """What the search held: the points, how many passed the guard and fit, and where their
+    quality came from."""
+    store = out.store
+    real = store.real is not None
+    lines = []
     n = len(out.rows)
     nf = sum(r.point.feasible for r in out.rows)
     fit = sum(r.fits for r in out.rows)
@@ -77,8 +97,7 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
                      f"run(s) trained now), AdamW held-out loss "
                      f"{ref.get('heldout_loss', math.nan):.4f} (from "
                      f"{ref.get('initial_loss') or math.nan:.4f})")
-    lines += [f"note: {n}" for n in out.notes]
-    return "\n".join(lines)
+    return lines
 
 
 def _bar_text(bar: str) -> str:
