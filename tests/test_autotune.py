@@ -678,6 +678,39 @@ def _stalling_workload(stall_after: int):
     return make
 
 
+def test_a_step_that_finds_a_non_finite_gradient_ends_the_run_as_diverged():
+    """An optimizer step that raises FloatingPointError (ZenFlow's NonFiniteGradientError)
+    ends train_and_measure there: diverged, no held-out loss, and the last training loss is
+    that of the step before, as a run that stops there by itself has it."""
+    from autotune.objective import train_and_measure
+
+    class BreaksAtThirdStep(torch.optim.SGD):
+        steps = 0
+
+        def step(self, closure=None):
+            type(self).steps += 1
+            if type(self).steps == 3:
+                raise FloatingPointError("a non-finite gradient")
+            return super().step(closure)
+
+    def breaks(params):
+        return BreaksAtThirdStep(params, lr=1e-2)
+
+    broken = train_and_measure(tiny_lm, breaks, TuneSettings(steps=5, skip_steps=0))
+    assert broken.diverged and math.isnan(broken.heldout_loss)
+    assert broken.measured_steps == 2
+    # the same two steps by hand, on the same workload and seed: the same loss, bit for bit
+    wl = build_workload(tiny_lm, seed=0, device=torch.device("cpu"), name="tinylm")
+    opt = torch.optim.SGD(wl.model.named_parameters(), lr=1e-2)
+    batches = iter(wl.batches)
+    for _ in range(2):
+        loss = wl.loss_fn(wl.model, next(batches))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert broken.final_train_loss == float(loss.detach())
+
+
 def test_an_unsteady_reference_is_warned_about_with_its_two_halves():
     from autotune.objective import guard_summary
 
