@@ -361,6 +361,8 @@ def test_a_study_searching_the_apply_delay_saves_it_in_the_profile(dirs):
     out = S.run_study(study_name="delay", factory=small_lm, ts=ts, space=space, n_trials=2,
                       storage_url=url, profile_name="delay-prof", log=lambda m: None)
     first = out.study.get_trials()[0]  # the library defaults, with the delay offered
+    assert first.user_attrs["enqueued"] == "library defaults"
+    assert first.params == space.defaults_params()
     ui = first.user_attrs["settings"]["update_interval"]
     assert ui > 1 and first.params["apply_delay_share"] == 0.5
     assert first.user_attrs["settings"]["apply_delay"] == apply_delay_for(0.5, ui)
