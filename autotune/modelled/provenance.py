@@ -20,6 +20,7 @@ from ..space import delay_steps
 from .grid import ModelledError
 from .outcome import ModelledOutcome
 
+
 def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
     """What a modelled profile records about how its settings were chosen."""
     best = out.best

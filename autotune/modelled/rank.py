@@ -22,6 +22,7 @@ from .provenance import modelled_profile
 from .quality_study import default_quality_settings, run_quality_grid
 from .store import real_quality_store
 
+
 def profile_of(value: str | Profile, device_memory_gb: float | None = None,
                host_memory_gb: float | None = None) -> Profile:
     """A profile by name, or read from a path to its JSON (a card of one's own: copy a

@@ -11,6 +11,7 @@ from ..space import delay_steps
 from .grid import QualityStore
 from .outcome import ModelledOutcome
 
+
 # ---- reporting ---------------------------------------------------------------------------------
 def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
     """The final table of a modelled run (like the measured run's): the best eligible rows,

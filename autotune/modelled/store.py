@@ -11,6 +11,7 @@ from ..realquality import (DEFAULT_BAR, OTHER_ARITHMETIC, QUALITY_KEYS, bar_limi
                            load_store)
 from .grid import QualityGrid, QualityPoint, QualityStore, RealSource, is_lean
 
+
 # ---- quality from real models -----------------------------------------------------------------
 def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
                        path: str | Path | None = None, base: dict[str, Any] | None = None,
