@@ -147,30 +147,18 @@ def train_and_measure(factory: Callable[..., Any], make_optimizer: Callable[[Any
     wl: Workload = build_workload(factory, seed=ts.seed, device=device, name=ts.workload)
     init = heldout_loss(wl) if initial_loss else None
     opt = make_optimizer(wl.model.named_parameters())
-    items = 0
     t0 = time.perf_counter()
-    loss_val = math.nan
-    diverged = False
-    measured = 0
+    items, measured, loss_val, diverged = 0, 0, math.nan, False
     mid = ts.skip_steps + (ts.steps - ts.skip_steps) // 2
     t_mid, items_mid = None, 0
     try:
         it = iter(wl.batches)
         for step in range(1, ts.steps + 1):
-            try:
-                batch = next(it)
-            except StopIteration:
-                raise RuntimeError(f"workload {ts.workload!r} ran out of batches at step {step} "
-                                   f"(the study needs {ts.steps})") from None
-            loss = wl.loss_fn(wl.model, batch)
-            loss.backward()
-            try:
-                opt.step()
-            except FloatingPointError:  # NonFiniteGradientError: the run diverged
+            batch, value = _train_step(wl, opt, it, step, ts)
+            if value is None:  # NonFiniteGradientError: the run diverged
                 diverged = True
                 break
-            opt.zero_grad(set_to_none=True)
-            loss_val = float(loss.detach())
+            loss_val = value
             if not math.isfinite(loss_val):
                 diverged = True
                 break
@@ -198,13 +186,38 @@ def train_and_measure(factory: Callable[..., Any], make_optimizer: Callable[[Any
     if not math.isfinite(hl):
         diverged = True
     thr = items / seconds if measured and seconds > 0 else math.nan
-    halves = None
-    if t_mid is not None and not diverged and t0 < t_mid < t0 + seconds:
-        halves = (items_mid / (t_mid - t0), (items - items_mid) / (t0 + seconds - t_mid))
+    halves = None if diverged else _halves(t0, t_mid, seconds, items, items_mid)
     return TrainResult(throughput=thr, heldout_loss=hl, final_train_loss=loss_val,
                        diverged=diverged, measured_steps=measured, measured_seconds=seconds,
                        unit=wl.unit, stats=_jsonable(stats), initial_loss=init,
                        throughput_halves=halves)
+
+
+def _train_step(wl: Workload, opt: Any, it: Any, step: int,
+                ts: TuneSettings) -> tuple[Any, float | None]:
+    """Step ``step`` of :func:`train_and_measure`: its batch and its training loss (None where
+    ``opt.step()`` found a gradient that is not finite: the run diverged)."""
+    try:
+        batch = next(it)
+    except StopIteration:
+        raise RuntimeError(f"workload {ts.workload!r} ran out of batches at step {step} "
+                           f"(the study needs {ts.steps})") from None
+    loss = wl.loss_fn(wl.model, batch)
+    loss.backward()
+    try:
+        opt.step()
+    except FloatingPointError:  # NonFiniteGradientError
+        return batch, None
+    opt.zero_grad(set_to_none=True)
+    return batch, float(loss.detach())
+
+
+def _halves(t0: float, t_mid: float | None, seconds: float, items: int,
+            items_mid: int) -> tuple[float, float] | None:
+    """The throughput of each half of the measured steps (None without a clean midpoint)."""
+    if t_mid is not None and t0 < t_mid < t0 + seconds:
+        return (items_mid / (t_mid - t0), (items - items_mid) / (t0 + seconds - t_mid))
+    return None
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

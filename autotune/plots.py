@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -44,6 +45,17 @@ def plot_study(study: optuna.Study, out_dir: str | Path) -> list[Path]:
     if not complete:
         raise RuntimeError(f"study {study.study_name!r} has no completed trial to plot")
 
+    paths.append(_history(study, plt, ovm, out, unit))
+    if len(complete) >= 2:
+        p = _importances(study, plt, ovm, out)
+        if p is not None:
+            paths.append(p)
+    paths.append(_quality(study, plt, complete, ref, unit, out))
+    return paths
+
+
+def _history(study: optuna.Study, plt: Any, ovm: Any, out: Path, unit: str) -> Path:
+    """history.png: throughput by trial, the infeasible ones greyed."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ax = ovm.plot_optimization_history(study, target_name=f"throughput ({unit}/s)")
@@ -53,23 +65,31 @@ def plot_study(study: optuna.Study, out_dir: str | Path) -> list[Path]:
     ax.figure.tight_layout()
     ax.figure.savefig(p, dpi=110)
     plt.close(ax.figure)
-    paths.append(p)
+    return p
 
-    if len(complete) >= 2:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ax = ovm.plot_param_importances(study, target_name="throughput")
-            ax.set_title(f"{study.study_name}: importances for throughput")
-            ax.figure.set_size_inches(8, 4.5)
-            ax.figure.tight_layout()
-            p = out / "importances.png"
-            ax.figure.savefig(p, dpi=110)
-            plt.close(ax.figure)
-            paths.append(p)
-        except Exception as e:  # too few distinct trials for fANOVA, etc.
-            print(f"(parameter importances skipped: {e})")
 
+def _importances(study: optuna.Study, plt: Any, ovm: Any, out: Path) -> Path | None:
+    """importances.png, where Optuna can compute the parameter importances (else None)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ax = ovm.plot_param_importances(study, target_name="throughput")
+        ax.set_title(f"{study.study_name}: importances for throughput")
+        ax.figure.set_size_inches(8, 4.5)
+        ax.figure.tight_layout()
+        p = out / "importances.png"
+        ax.figure.savefig(p, dpi=110)
+        plt.close(ax.figure)
+        return p
+    except Exception as e:  # too few distinct trials for fANOVA, etc.
+        print(f"(parameter importances skipped: {e})")
+        return None
+
+
+def _quality(study: optuna.Study, plt: Any, complete: list[Any], ref: dict[str, Any],
+             unit: str, out: Path) -> Path:
+    """quality.png: every trial's throughput against its held-out loss, the reference and
+    the quality limit."""
     fig, ax = plt.subplots(figsize=(8, 5))
     feas = [t for t in complete if is_feasible(t)]
     infeas = [t for t in complete if not is_feasible(t) and t.user_attrs.get("heldout_loss")
@@ -96,5 +116,4 @@ def plot_study(study: optuna.Study, out_dir: str | Path) -> list[Path]:
     p = out / "quality.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
-    paths.append(p)
-    return paths
+    return p

@@ -293,19 +293,7 @@ def _run_study(storage, *, study_name, factory, ts, space, n_trials, storage_url
     study = open_study(study_name, storage, sampler=make_sampler(seed, n_startup),
                        pruner=SlowTrialPruner(prune_ratio))
 
-    reference = study.user_attrs.get("reference")
-    if reference is None:
-        log(f"Measuring the AdamW reference ({ts.steps} steps of {ts.workload!r})...")
-        reference = measure_reference(factory, ts)
-        study.set_user_attr("reference", reference)
-    if "hardware" not in study.user_attrs:
-        hw = detect()
-        hw["host"]["host_adam_elements_per_s"] = measure_host_adam()
-        hw["host"]["host_adam_measured_with"] = host_adam_settings()
-        study.set_user_attr("hardware", hw)
-    if existing == 0 and not study.user_attrs.get("defaults_enqueued"):
-        study.set_user_attr("defaults_enqueued", True)
-        study.enqueue_trial(space.defaults_params(), user_attrs={"enqueued": "library defaults"})
+    reference = _prepare_study(study, factory, ts, space, existing, log)
 
     finished = len(study.get_trials(deepcopy=False, states=FINISHED))
     remaining = max(0, n_trials - finished)
@@ -335,18 +323,7 @@ def _run_study(storage, *, study_name, factory, ts, space, n_trials, storage_url
     if remaining > 0:
         study.optimize(objective, n_trials=remaining, timeout=timeout, callbacks=callbacks,
                        catch=(Exception,), gc_after_trial=True)
-        # On a shared machine noise only ever slows a run down: measure AdamW's throughput
-        # again after the trials and keep the best of its measurements, so the "vs AdamW"
-        # ratio does not rest on one unlucky run.
-        again = measure_reference(factory, ts)
-        # this session's pair: the figure it started from and the one after its trials (a
-        # noisy session long ago does not hide the column for ever)
-        samples = [reference["throughput"], again["throughput"]]
-        reference = dict(reference,
-                         throughput=max(reference["throughput"], again["throughput"]),
-                         throughput_measurements=reference.get("throughput_measurements", 1) + 1,
-                         throughput_samples=samples)
-        study.set_user_attr("reference", reference)
+        reference = _measure_reference_again(study, factory, ts, reference)
     fail_stale(study)
     if failures["n"] >= max_consecutive_failures:
         errs = [t.user_attrs.get("error") for t in study.get_trials(deepcopy=False)
@@ -362,6 +339,45 @@ def _run_study(storage, *, study_name, factory, ts, space, n_trials, storage_url
         prof = profile_from_study(study, best, profile_name, storage_url=storage_url)
         path = save_profile(prof, profile_dir)
     return RunOutcome(study, ts, reference, best, prof, path, ran["n"])
+
+
+def _prepare_study(study: optuna.Study, factory: Callable[..., Any], ts: TuneSettings,
+                   space: SearchSpace, existing: int, log: Callable[[str], None]
+                   ) -> dict[str, Any]:
+    """What a study records once before its trials: the AdamW reference (returned), this
+    machine's hardware, and the library defaults enqueued as its first trial."""
+    reference = study.user_attrs.get("reference")
+    if reference is None:
+        log(f"Measuring the AdamW reference ({ts.steps} steps of {ts.workload!r})...")
+        reference = measure_reference(factory, ts)
+        study.set_user_attr("reference", reference)
+    if "hardware" not in study.user_attrs:
+        hw = detect()
+        hw["host"]["host_adam_elements_per_s"] = measure_host_adam()
+        hw["host"]["host_adam_measured_with"] = host_adam_settings()
+        study.set_user_attr("hardware", hw)
+    if existing == 0 and not study.user_attrs.get("defaults_enqueued"):
+        study.set_user_attr("defaults_enqueued", True)
+        study.enqueue_trial(space.defaults_params(), user_attrs={"enqueued": "library defaults"})
+    return reference
+
+
+def _measure_reference_again(study: optuna.Study, factory: Callable[..., Any],
+                             ts: TuneSettings, reference: dict[str, Any]) -> dict[str, Any]:
+    """The reference after the trials: the best of its throughput measurements (stored)."""
+    # On a shared machine noise only ever slows a run down: measure AdamW's throughput
+    # again after the trials and keep the best of its measurements, so the "vs AdamW"
+    # ratio does not rest on one unlucky run.
+    again = measure_reference(factory, ts)
+    # this session's pair: the figure it started from and the one after its trials (a
+    # noisy session long ago does not hide the column for ever)
+    samples = [reference["throughput"], again["throughput"]]
+    reference = dict(reference,
+                     throughput=max(reference["throughput"], again["throughput"]),
+                     throughput_measurements=reference.get("throughput_measurements", 1) + 1,
+                     throughput_samples=samples)
+    study.set_user_attr("reference", reference)
+    return reference
 
 
 def profile_from_study(study: optuna.Study, best: FrozenTrial, name: str, *,

@@ -3,7 +3,7 @@
 For every built-in profile with accelerator facts (all but ``cpu``) this picks, from the
 setting classes of the real-model quality store (``autotune/data/real_quality.json``: real
 pretrained models fine-tuned against AdamW, 2 seeds; ``--quality workload``: the quality grid
-of ``autotune/modelled.py`` trained on the embedded CPU workload instead), the fastest
+of ``autotune/modelled/`` trained on the embedded CPU workload instead), the fastest
 point within the quality bar by the step-time
 model for ``--model`` (default ``llama2-7b``) on 1 GPU with 4096 tokens per step, and writes
 it into ``zenflow_triton/profiles/builtin/<name>.json``: ``settings`` (the quality settings;

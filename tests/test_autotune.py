@@ -361,6 +361,8 @@ def test_a_study_searching_the_apply_delay_saves_it_in_the_profile(dirs):
     out = S.run_study(study_name="delay", factory=small_lm, ts=ts, space=space, n_trials=2,
                       storage_url=url, profile_name="delay-prof", log=lambda m: None)
     first = out.study.get_trials()[0]  # the library defaults, with the delay offered
+    assert first.user_attrs["enqueued"] == "library defaults"
+    assert first.params == space.defaults_params()
     ui = first.user_attrs["settings"]["update_interval"]
     assert ui > 1 and first.params["apply_delay_share"] == 0.5
     assert first.user_attrs["settings"]["apply_delay"] == apply_delay_for(0.5, ui)
@@ -676,6 +678,39 @@ def _stalling_workload(stall_after: int):
         wl.loss_fn = loss_fn
         return wl
     return make
+
+
+def test_a_step_that_finds_a_non_finite_gradient_ends_the_run_as_diverged():
+    """An optimizer step that raises FloatingPointError (ZenFlow's NonFiniteGradientError)
+    ends train_and_measure there: diverged, no held-out loss, and the last training loss is
+    that of the step before, as a run that stops there by itself has it."""
+    from autotune.objective import train_and_measure
+
+    class BreaksAtThirdStep(torch.optim.SGD):
+        steps = 0
+
+        def step(self, closure=None):
+            type(self).steps += 1
+            if type(self).steps == 3:
+                raise FloatingPointError("a non-finite gradient")
+            return super().step(closure)
+
+    def breaks(params):
+        return BreaksAtThirdStep(params, lr=1e-2)
+
+    broken = train_and_measure(tiny_lm, breaks, TuneSettings(steps=5, skip_steps=0))
+    assert broken.diverged and math.isnan(broken.heldout_loss)
+    assert broken.measured_steps == 2
+    # the same two steps by hand, on the same workload and seed: the same loss, bit for bit
+    wl = build_workload(tiny_lm, seed=0, device=torch.device("cpu"), name="tinylm")
+    opt = torch.optim.SGD(wl.model.named_parameters(), lr=1e-2)
+    batches = iter(wl.batches)
+    for _ in range(2):
+        loss = wl.loss_fn(wl.model, next(batches))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert broken.final_train_loss == float(loss.detach())
 
 
 def test_an_unsteady_reference_is_warned_about_with_its_two_halves():

@@ -1,4 +1,4 @@
-"""The modelled objective (autotune/modelled.py, ``zenflow-tune run --objective modelled``):
+"""The modelled objective (autotune/modelled/, ``zenflow-tune run --objective modelled``):
 quality measured once on a grid and reused by every profile and model, speed from the
 step-time model, the fastest feasible point chosen, saved as a loadable profile with its
 provenance, and every bad input refused before any training."""
@@ -16,6 +16,7 @@ from optuna.trial import TrialState
 
 from autotune import cli
 from autotune import modelled as MD
+from autotune.modelled import quality_study as QS  # the quality study trains with these
 from autotune import stepmodel as SM
 from autotune import study as S
 from autotune.objective import TrainResult, TuneSettings
@@ -69,8 +70,8 @@ def fake(monkeypatch):
         return {"optimizer": "torch.optim.AdamW", "heldout_loss": 1.0, "initial_loss": 2.0,
                 "throughput": 1000.0, "unit": "tokens", "steps": ts.steps}
 
-    monkeypatch.setattr(MD, "train_and_measure", train)
-    monkeypatch.setattr(MD, "measure_reference", reference)
+    monkeypatch.setattr(QS, "train_and_measure", train)
+    monkeypatch.setattr(QS, "measure_reference", reference)
     return calls
 
 
@@ -115,18 +116,18 @@ def test_quality_store_is_measured_once_and_reused(dirs, fake):
 def test_an_interrupted_quality_grid_resumes_with_only_the_missing_points(dirs, fake,
                                                                           monkeypatch):
     url = f"sqlite:///{dirs / 'q.db'}"
-    inner = MD.train_and_measure
+    inner = QS.train_and_measure
 
     def interrupted(factory, make_optimizer, ts, **kw):
         if len(fake["train"]) == 4:
             raise KeyboardInterrupt  # like Ctrl-C in the middle of the fifth point
         return inner(factory, make_optimizer, ts, **kw)
 
-    monkeypatch.setattr(MD, "train_and_measure", interrupted)
+    monkeypatch.setattr(QS, "train_and_measure", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _run(url)
     assert len(fake["train"]) == 4
-    monkeypatch.setattr(MD, "train_and_measure", inner)
+    monkeypatch.setattr(QS, "train_and_measure", inner)
     out = _run(url)
     assert out.store.trials_run == 5 and len(fake["train"]) == 9
     keys = [MD.point_key(s) for s in fake["train"]]
@@ -135,7 +136,7 @@ def test_an_interrupted_quality_grid_resumes_with_only_the_missing_points(dirs, 
 
 def test_a_failing_point_is_retried_then_reported(dirs, fake, monkeypatch):
     url = f"sqlite:///{dirs / 'q.db'}"
-    inner = MD.train_and_measure
+    inner = QS.train_and_measure
     fails = {"n": 0}
 
     def flaky(factory, make_optimizer, ts, **kw):
@@ -147,7 +148,7 @@ def test_a_failing_point_is_retried_then_reported(dirs, fake, monkeypatch):
             raise RuntimeError("host worker died")
         return inner(factory, make_optimizer, ts, **kw)
 
-    monkeypatch.setattr(MD, "train_and_measure", flaky)
+    monkeypatch.setattr(QS, "train_and_measure", flaky)
     out = _run(url)  # failed once, trained again, complete
     assert fails["n"] == 1 and len(out.store.points) == 9
     fails.update(n=0, limit=99)
@@ -280,8 +281,8 @@ def no_training(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("trained before the inputs were checked")
 
-    monkeypatch.setattr(MD, "train_and_measure", boom)
-    monkeypatch.setattr(MD, "measure_reference", boom)
+    monkeypatch.setattr(QS, "train_and_measure", boom)
+    monkeypatch.setattr(QS, "measure_reference", boom)
 
 
 @pytest.mark.parametrize("kw, exc, match", [

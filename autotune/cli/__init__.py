@@ -16,7 +16,6 @@ import argparse
 import importlib
 import os
 import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
@@ -344,23 +343,7 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
-def float_list(s: str, what: str, usage: type[Exception]) -> tuple[float, ...]:
-    """A comma-separated list of numbers given to option ``what``; ``usage`` raised if not."""
-    try:
-        vals = tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise usage(f"{what}: expected comma-separated numbers, got {s!r}") from None
-    if not vals:
-        raise usage(f"{what}: empty")
-    return vals
-
-
 # ---- option handling shared by the commands ---------------------------------------------
-def say(msg: str) -> None:
-    """A line of progress on stdout, at once (the library's ``log`` callbacks)."""
-    print(msg, flush=True)
-
-
 def load_workload(spec: str | None) -> tuple[str, Callable[..., Any]]:
     """``--workload``: its name and factory (:func:`autotune.training.load_workload_factory`)."""
     from ..training import WorkloadError, load_workload_factory
@@ -371,43 +354,11 @@ def load_workload(spec: str | None) -> tuple[str, Callable[..., Any]]:
         raise UsageError(f"--workload: {e}") from None
 
 
-def prepare_workload(name: str) -> None:
-    """The work ``--workload`` needs once per machine (pretraining the embedded LM), before
-    any study clock starts."""
-    from .. import training
-
-    try:
-        training.prepare(name, log=say)
-    except training.WorkloadError as e:
-        raise UsageError(f"--workload: {e}") from None
-
-
 def storage_url(args: argparse.Namespace) -> str:
     """``--storage``, else the default SQLite file in the data dir."""
     from ..study import default_storage_url
 
     return args.storage or default_storage_url()
-
-
-def storage_exists(args: argparse.Namespace, url: str) -> bool:
-    """Whether there can be studies to read: a ``--storage`` given, or the default file there."""
-    return bool(args.storage) or Path(url[len("sqlite:///"):]).exists()
-
-
-def heartbeat_options(args: argparse.Namespace) -> dict[str, int]:
-    """``--heartbeat-interval`` and ``--grace-period`` (hidden, for tests) when given."""
-    kw = {}
-    if args.heartbeat_interval:
-        kw["heartbeat_interval"] = args.heartbeat_interval
-    if args.grace_period:
-        kw["grace_period"] = args.grace_period
-    return kw
-
-
-def print_use_it(profile: str, lr: str) -> None:
-    """The footer of a run that saved a profile: how to use it."""
-    print("use it:")
-    print(f'    opt = ZenFlowOptimizer.from_profile("{profile}", model.named_parameters(), lr={lr})')
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ..names import slug
-from . import EXIT_OK, UsageError, load_workload, storage_exists, storage_url
+from . import EXIT_OK, UsageError, load_workload, storage_url
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -188,3 +188,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         print(f"wrote {out / 'diagnostics.json'} (pip install matplotlib for the PNG)")
     return EXIT_OK
 
+
+def storage_exists(args: argparse.Namespace, url: str) -> bool:
+    """Whether there can be studies to read: a ``--storage`` given, or the default file there."""
+    return bool(args.storage) or Path(url[len("sqlite:///"):]).exists()

@@ -25,8 +25,7 @@ from ..objective import TuneSettings, guard_summary
 from ..space import SearchSpace, betas_values
 from .. import stepmodel as M
 from ..stepmodel import DEFAULT_TOKENS, PRESETS
-from . import (EXIT_OK, EXIT_RUNTIME, FULL, QUICK, UsageError, float_list, heartbeat_options,
-               load_workload, prepare_workload, print_use_it, say, storage_url)
+from . import EXIT_OK, EXIT_RUNTIME, FULL, QUICK, UsageError, load_workload, storage_url
 
 MEASURED_ONLY = ("quick", "n_trials", "timeout", "max_host_threads")
 """``run`` options that mean nothing to the modelled objective (its grid is fixed)."""
@@ -401,3 +400,47 @@ def _report_modelled(out: MD.ModelledOutcome, top: int) -> int:
         print(f"saved profile {out.profile.name!r} to {out.profile_path}")
         print_use_it(out.profile.name, "...")
     return EXIT_OK
+
+
+# ---- option handling of run -------------------------------------------------------------
+def float_list(s: str, what: str, usage: type[Exception]) -> tuple[float, ...]:
+    """A comma-separated list of numbers given to option ``what``; ``usage`` raised if not."""
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise usage(f"{what}: expected comma-separated numbers, got {s!r}") from None
+    if not vals:
+        raise usage(f"{what}: empty")
+    return vals
+
+
+def say(msg: str) -> None:
+    """A line of progress on stdout, at once (the library's ``log`` callbacks)."""
+    print(msg, flush=True)
+
+
+def prepare_workload(name: str) -> None:
+    """The work ``--workload`` needs once per machine (pretraining the embedded LM), before
+    any study clock starts."""
+    from .. import training
+
+    try:
+        training.prepare(name, log=say)
+    except training.WorkloadError as e:
+        raise UsageError(f"--workload: {e}") from None
+
+
+def heartbeat_options(args: argparse.Namespace) -> dict[str, int]:
+    """``--heartbeat-interval`` and ``--grace-period`` (hidden, for tests) when given."""
+    kw = {}
+    if args.heartbeat_interval:
+        kw["heartbeat_interval"] = args.heartbeat_interval
+    if args.grace_period:
+        kw["grace_period"] = args.grace_period
+    return kw
+
+
+def print_use_it(profile: str, lr: str) -> None:
+    """The footer of a run that saved a profile: how to use it."""
+    print("use it:")
+    print(f'    opt = ZenFlowOptimizer.from_profile("{profile}", model.named_parameters(), lr={lr})')

@@ -1,0 +1,59 @@
+"""What a modelled run returns: every point with its modelled step (:class:`ModelledRow`),
+the pick and the peers beside it (:class:`ModelledOutcome`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zenflow_triton.profiles import Profile
+
+from .. import stepmodel as M
+from .grid import QualityPoint, QualityStore
+
+PEER_MODES = tuple(m for m in M.MODES if m != "zenflow")
+"""The modes a pick is printed beside (AdamW, ZeRO-Offload and its variants, state-swap)."""
+
+
+# ---- speed from the model, and the choice ---------------------------------------------------
+@dataclass
+class ModelledRow:
+    point: QualityPoint
+    prediction: M.Prediction
+    settings: dict[str, Any]
+    """The full profile settings the model was run with (base settings + the point)."""
+    throughput: float = 0.0
+    """Modelled tokens per second per GPU."""
+    eligible: bool = False
+    """Feasible by the quality guard and fits in device memory."""
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction.fits
+
+    @property
+    def step_time_s(self) -> float:
+        return self.prediction.modelled_step_time_s
+
+
+@dataclass
+class ModelledOutcome:
+    store: QualityStore
+    hardware_profile: Profile
+    hardware: M.Hardware
+    workload: M.Workload
+    gpus: int
+    rows: list[ModelledRow]
+    best: ModelledRow | None
+    zero_offload: M.Prediction
+    sharding: str = "ddp"
+    peers: dict[str, M.Prediction] = field(default_factory=dict)
+    """The peer modes' predictions (:data:`PEER_MODES`) at the profile's base settings."""
+    profile: Profile | None = None
+    profile_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def eligible(self) -> list[ModelledRow]:
+        return [r for r in self.rows if r.eligible]
