@@ -165,3 +165,34 @@ def test_the_curve_names_the_fastest_peer_and_its_ratio():
         assert pt.peer == best
         assert pt.speedup == pytest.approx(peers[best].step_time_s / pt.zenflow.step_time_s)
     assert "ZenFlow is" in S.verdict(pts)
+
+
+def _row(throughput, topk, interval):
+    from types import SimpleNamespace
+    return SimpleNamespace(throughput=throughput, prediction=SimpleNamespace(
+        settings={"topk_ratio": topk, "update_interval": interval}))
+
+
+def test_the_tuner_takes_the_shortest_window_where_speed_is_free():
+    from autotune.modelled import SPEED_TOLERANCE, quality_first
+    fastest = _row(1000.0, 0.02, 8)
+    near_short = _row(1000.0 * (1 - SPEED_TOLERANCE) + 1, 0.1, 2)
+    near_more_columns = _row(990.0, 0.2, 2)
+    too_slow = _row(1000.0 * (1 - SPEED_TOLERANCE) - 1, 0.1, 1)
+    rows = [fastest, near_more_columns, near_short, too_slow]   # fastest first
+    assert quality_first(rows) is near_more_columns   # interval 2, the larger topk_ratio
+    assert quality_first([fastest, too_slow]) is fastest
+    assert quality_first([]) is None
+
+
+def test_the_modelled_tuner_ranks_at_the_users_batch(capsys, tmp_path, monkeypatch):
+    """At a large batch the tuner models each setting in micro-batches that fit and says
+    so; a micro-batch larger than the step is a usage error."""
+    from zenflow_triton import profiles as P
+    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path))
+    argv = ["run", "--objective", "modelled", "--quality", "real", "--profile", "a100-pcie4",
+            "--model", "opt-350m", "--no-profile"]
+    assert cli.main(argv + ["--tokens", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert "65536 tokens/GPU/step, each setting in its largest micro-batches that fit" in out
+    assert cli.main(argv + ["--tokens", "2048", "--micro-batch-tokens", "4096"]) == cli.EXIT_USAGE

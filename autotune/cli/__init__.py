@@ -157,7 +157,11 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
                         "nats for LMs; default: +0.01, -0.5, +0.005, the goals of the "
                         "library's defaults)")
     r.add_argument("--tokens", type=_pos_int, default=None,
-                   help="modelled objective: tokens per GPU per step (default 4096)")
+                   help="modelled objective: tokens per GPU per optimizer step, all "
+                        "micro-batches together (default 4096)")
+    r.add_argument("--micro-batch-tokens", type=_pos_int, default=None,
+                   help="modelled objective: tokens per GPU of one forward and backward pass "
+                        "(default: each setting's largest that fits, at most 4096)")
     r.add_argument("--mfu", type=float, default=None,
                    help="modelled objective: model FLOP utilisation (default 0.4)")
     r.add_argument("--save-as", dest="save_as",

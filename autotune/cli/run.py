@@ -88,6 +88,7 @@ def _check_measured_options(args: argparse.Namespace) -> None:
     """No modelled-only option; ``--save-as`` is another name for ``--profile`` here."""
     modelled_only = [o for o, v in (("--model", args.model), ("--gpus", args.gpus != 1),
                                     ("--tokens", args.tokens), ("--mfu", args.mfu),
+                                    ("--micro-batch-tokens", args.micro_batch_tokens),
                                     ("--topk-grid", args.topk_grid),
                                     ("--interval-grid", args.interval_grid),
                                     ("--lean", args.lean != "auto"),
@@ -279,10 +280,17 @@ def run_modelled(args: argparse.Namespace) -> int:
         except ProfileError as e:
             raise UsageError(f"--save-as: {e}") from None
     lean = {"auto": None, "yes": True, "no": False}[args.lean]
+    tokens = args.tokens or DEFAULT_TOKENS
+    if args.micro_batch_tokens is not None and args.micro_batch_tokens > tokens:
+        raise UsageError(f"--micro-batch-tokens {args.micro_batch_tokens} exceeds --tokens "
+                         f"{tokens} (the tokens of a whole optimizer step)")
+    micro = (f"micro-batches of {args.micro_batch_tokens}" if args.micro_batch_tokens else
+             "each setting in its largest micro-batches that fit")
     where = (f"{args.model} on {prof.name!r} ({args.gpus} GPU(s), {args.sharding}, "
-             f"{args.tokens or DEFAULT_TOKENS} tokens/GPU/step), speed from the step model")
+             f"{tokens} tokens/GPU/step, {micro}), speed from the step model")
     common = dict(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
-                  mfu=args.mfu, save_as=save_as, log=say, lean=lean, sharding=args.sharding)
+                  mfu=args.mfu, save_as=save_as, log=say, lean=lean, sharding=args.sharding,
+                  micro_batch_tokens=args.micro_batch_tokens)
     if quality_source(args) == "real":
         _, grid = _quality_settings(args)  # (the grid options checked as for a workload)
         given = any(getattr(args, k) for k in ("topk_grid", "interval_grid", "delay_grid",

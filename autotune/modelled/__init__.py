@@ -18,7 +18,8 @@ after a kill reuses every finished point.
 
 The two are combined as in the measured objective: maximise throughput (here the modelled
 tokens/s per GPU) subject to the quality guard. :func:`run_modelled` returns every grid
-point ranked, the fastest feasible one that fits in device memory, and (optionally) saves it
+point ranked, the fastest feasible one that fits in device memory (or, within 3% of it, the
+one with the shortest window: :func:`quality_first`), and (optionally) saves it
 as a profile whose provenance says ``"source": "modelled"`` and records the model preset,
 GPUs, tokens, the quality study and the modelled step time and stall.
 """
@@ -29,11 +30,11 @@ from ..realquality import DEFAULT_BAR, QUALITY_KEYS
 from .grid import (LEAN_POINT, QUALITY_APPLY_DELAYS, QUALITY_TOPK_RATIOS,
                    QUALITY_UPDATE_INTERVALS, ModelledError, QualityGrid, QualityPoint,
                    QualityStore, RealSource, is_lean, point_key)
-from .outcome import PEER_MODES, ModelledOutcome, ModelledRow
+from .outcome import PEER_MODES, SPEED_TOLERANCE, ModelledOutcome, ModelledRow
 from .provenance import default_save_name, modelled_profile, modelled_provenance
 from .quality_study import (MAX_ATTEMPTS, default_quality_settings, quality_study_name,
                             run_quality_grid)
-from .rank import load_hardware, profile_of, rank_points, run_modelled
+from .rank import load_hardware, profile_of, quality_first, rank_points, run_modelled
 from .report import device_side, fastest_peer, format_modelled_table, guard_line, peer_lines
 from .store import real_quality_store
 
@@ -42,4 +43,5 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
            "default_quality_settings", "quality_study_name", "run_quality_grid",
            "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
            "QUALITY_KEYS", "guard_line", "real_quality_store", "peer_lines", "fastest_peer",
-           "is_lean", "PEER_MODES", "modelled_provenance", "default_save_name", "load_hardware"]
+           "is_lean", "PEER_MODES", "modelled_provenance", "default_save_name", "load_hardware",
+           "SPEED_TOLERANCE", "quality_first"]

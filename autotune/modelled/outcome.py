@@ -15,6 +15,11 @@ from .grid import QualityPoint, QualityStore
 PEER_MODES = tuple(m for m in M.MODES if m != "zenflow")
 """The modes a pick is printed beside (AdamW, ZeRO-Offload and its variants, state-swap)."""
 
+SPEED_TOLERANCE = 0.03
+"""Among the eligible settings within this share of the fastest's throughput, the tuner
+takes the shortest window, then the largest ``topk_ratio`` (:func:`~.rank.quality_first`): where
+speed is free, the fresher setting trains closer to AdamW."""
+
 
 # ---- speed from the model, and the choice ---------------------------------------------------
 @dataclass

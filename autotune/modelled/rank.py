@@ -19,7 +19,7 @@ from .. import stepmodel as M
 from ..objective import TuneSettings
 from ..realquality import DEFAULT_BAR
 from .grid import LEAN_POINT, ModelledError, QualityGrid, QualityStore
-from .outcome import PEER_MODES, ModelledOutcome, ModelledRow
+from .outcome import PEER_MODES, SPEED_TOLERANCE, ModelledOutcome, ModelledRow
 from .provenance import modelled_profile
 from .quality_study import default_quality_settings, run_quality_grid
 from .store import real_quality_store
@@ -64,14 +64,28 @@ def load_hardware(profile: str | Profile, host_adam_elements_per_s: float | None
     return prof, hw
 
 
-def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None) -> M.Workload:
-    if isinstance(model, M.Workload):
-        return model
+def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None,
+              micro_batch_tokens: int | None = None) -> M.Workload:
     try:
-        return M.Workload.from_spec(model, tokens=tokens or M.DEFAULT_TOKENS,
-                                    mfu=M.DEFAULT_MFU if mfu is None else mfu)
+        wl = model if isinstance(model, M.Workload) else M.Workload.from_spec(
+            model, tokens=tokens or M.DEFAULT_TOKENS, mfu=M.DEFAULT_MFU if mfu is None else mfu)
+        return wl if micro_batch_tokens is None else wl.replace(
+            micro_batch_tokens=micro_batch_tokens)
     except M.StepModelError as e:
         raise ModelledError(str(e)) from None
+
+
+def quality_first(eligible: list[ModelledRow],
+                  tolerance: float = SPEED_TOLERANCE) -> ModelledRow | None:
+    """The pick among ``eligible`` rows (fastest first): of those within ``tolerance`` of the
+    fastest's throughput, the shortest ``update_interval``, then the largest ``topk_ratio``,
+    then the fastest."""
+    if not eligible:
+        return None
+    floor = eligible[0].throughput * (1.0 - tolerance)
+    near = [r for r in eligible if r.throughput >= floor]
+    return min(near, key=lambda r: (r.prediction.settings["update_interval"],
+                                    -r.prediction.settings["topk_ratio"], -r.throughput))
 
 
 def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: int = 1,
@@ -83,7 +97,7 @@ def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: in
     does not fit with the window summed on the device is tried with it summed on the host
     (``accumulate_on="host"``): on the quality workload (fp32) the two train bit for bit
     alike, so the point's measured quality holds for both."""
-    rows = []
+    rows = []  # (wl without a micro-batch: each point at the largest micro-batch that fits)
     for p in store.points:
         pred, settings = _prediction(hw, wl, dict(gpus=gpus, sharding=sharding),
                                      _over(base_settings or {}, p.settings))
@@ -104,12 +118,15 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
                  profile_dir: str | Path | None = None,
                  host_adam_elements_per_s: float | None = None, lean: bool | None = None,
                  quality: str = "workload", bar: str = DEFAULT_BAR, sharding: str = "ddp",
+                 micro_batch_tokens: int | None = None,
                  log: Callable[[str], None] = print, **grid_kw: Any) -> ModelledOutcome:
     """Quality from the (shared, resumable) quality study (``quality="workload"``) or from the
     real-model store (``quality="real"``: nothing trained, judged by ``bar``;
     :func:`real_quality_store`), speed from the step model of ``model`` on ``profile``'s
-    hardware (``gpus`` under ``sharding``: "ddp" or "fsdp2"); the fastest feasible point that
-    fits. Saves it as profile ``save_as`` (when given) in ``profile_dir`` (default: the user
+    hardware (``gpus`` under ``sharding``: "ddp" or "fsdp2") at ``tokens`` per optimizer step,
+    in micro-batches of ``micro_batch_tokens`` (None: each setting's largest that fits, at
+    most 4096); of the feasible points that fit, the fastest, or within
+    :data:`SPEED_TOLERANCE` of it the shortest window (:func:`quality_first`). Saves it as profile ``save_as`` (when given) in ``profile_dir`` (default: the user
     profile dir). ``lean``: search each point's :data:`LEAN_POINT` variant too (True), never
     (False), or (None) where no plain point fits: then only the lean points that fit are
     trained (the real-model store holds the lean settings it measured as points of their own).
@@ -119,7 +136,7 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
     without accelerator facts (``cpu``) :class:`ModelledError`."""
     _check_inputs(gpus, mfu, quality, sharding)
     prof, hw = load_hardware(profile, host_adam_elements_per_s)
-    wl = _workload(model, tokens, mfu)
+    wl = _workload(model, tokens, mfu, micro_batch_tokens)
     if save_as is not None:
         validate_name(save_as)
     where = dict(gpus=gpus, sharding=sharding)
@@ -133,12 +150,12 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
                                 storage_url=storage_url, study_name=study_name, **grid_kw)
     rows = rank_points(store, hw, wl, gpus=gpus, base_settings=base, sharding=sharding)
     eligible = [r for r in rows if r.eligible]
-    zo = M.predict(hw, wl, "zero-offload", config=M.zenflow_config(base), **where)
+    zo = M.predict_fitting(hw, wl, "zero-offload", config=M.zenflow_config(base), **where)
     out = ModelledOutcome(store=store, hardware_profile=prof, hardware=hw, workload=wl,
-                          gpus=gpus, rows=rows, best=eligible[0] if eligible else None,
+                          gpus=gpus, rows=rows, best=quality_first(eligible),
                           zero_offload=zo, sharding=sharding,
-                          peers=M.predict_all(hw, wl, config=M.zenflow_config(base),
-                                              modes=PEER_MODES, **where))
+                          peers={m: M.predict_fitting(hw, wl, m, config=M.zenflow_config(base),
+                                                      **where) for m in PEER_MODES})
     if rows and not any(r.fits for r in rows):
         out.notes.append(_nothing_fits(hw, wl, where, base, rows, store.real is not None))
     if out.best is not None and save_as is not None:
@@ -213,12 +230,12 @@ def _prediction(hw: M.Hardware, wl: M.Workload, where: dict[str, Any],
         cfg = M.zenflow_config(settings)
     except M.StepModelError as e:
         raise ModelledError(f"settings {settings}: {e}") from None
-    pred = M.predict(hw, wl, "zenflow", config=cfg, **where)
+    pred = M.predict_fitting(hw, wl, "zenflow", config=cfg, **where)
     for more in (dict(accumulate_on="host"), dict(accumulate_on="host", stream_grads=True)):
         if (pred.fits or all(getattr(cfg, k) == v for k, v in more.items())
                 or refused(more, where)):
             continue
-        leaner = M.predict(hw, wl, "zenflow", config=cfg.replace(**more), **where)
+        leaner = M.predict_fitting(hw, wl, "zenflow", config=cfg.replace(**more), **where)
         if leaner.fits:
             return leaner, dict(settings, **more)
     return pred, settings

@@ -9,7 +9,7 @@ from ..objective import guard_summary
 from ..realquality import bar_limits
 from ..space import delay_steps
 from .grid import QualityStore
-from .outcome import ModelledOutcome
+from .outcome import SPEED_TOLERANCE, ModelledOutcome
 
 
 # ---- reporting ---------------------------------------------------------------------------------
@@ -26,6 +26,11 @@ def format_modelled_table(out: ModelledOutcome, top: int = 5) -> str:
     lines.append(f"modelled zero-offload: {wl.tokens / zo_t:,.0f} tokens/s per GPU "
                  f"({zo_t:.3f} s/step); model {wl.name}, {out.gpus} GPU(s) ({out.sharding}), "
                  f"{wl.tokens} tokens/GPU/step on {out.hardware.name}")
+    top_speed = out.eligible[0] if out.eligible else None
+    if out.best is not None and out.best is not top_speed:
+        lines.append(f"the pick is within {SPEED_TOLERANCE:.0%} of the fastest eligible setting "
+                     f"({top_speed.throughput:,.0f} tokens/s) with a shorter window or more "
+                     "columns on the device: where speed is free, the fresher setting")
     faster = [r for r in out.rows if r.fits and not r.point.feasible
               and (out.best is None or r.throughput > out.best.throughput)]
     if faster:
