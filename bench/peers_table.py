@@ -2,7 +2,9 @@
 profile's settings against the fastest peer that fits (AdamW on the device, ZeRO-Offload, its
 one-step-delayed variant, per-layer overlapped offload, state-swap with as much Adam state
 resident as fits), at 4k, 16k, 64k and 256k tokens per optimizer step, each mode in the
-largest micro-batches that fit (at most 4096 tokens). Step-model predictions
+largest micro-batches that fit (at most 4096 tokens); where the profile's ZenFlow setting
+fits no micro-batch, the leaner one that does (the cell names what it changes). Step-model
+predictions
 (docs/stepmodel.md), not measurements.
 
     python bench/peers_table.py                      # Llama-3-8B, one GPU per profile
@@ -27,15 +29,26 @@ def curve(model: str, profile: str, gpus: int, sharding: str) -> list[M.BatchPoi
     hw = M.Hardware.from_profile(prof)
     wl = M.Workload.from_spec(model)
     return M.batch_curve(hw, wl, config=M.zenflow_config(prof.settings), gpus=gpus,
-                         sharding=sharding)
+                         sharding=sharding, lean=True)
 
 
-def cell(pt: M.BatchPoint) -> str:
+def cell(pt: M.BatchPoint, cfg) -> str:
     if not pt.zenflow.fits:
         return "ZenFlow does not fit" + (f" ({pt.peer} does)" if pt.peer else "")
+    lean = M.lean_changes(pt.zenflow, cfg)
+    how = f" (leaner: {', '.join(_short(k, v) for k, v in lean.items())})" if lean else ""
     if pt.peer is None:
-        return "only ZenFlow fits"
-    return f"{pt.speedup:.2f}x vs {pt.peer}"
+        return "only ZenFlow fits" + how
+    return f"{pt.speedup:.2f}x vs {pt.peer}{how}"
+
+
+def _short(key: str, value) -> str:
+    """A leaner setting's change in a few words."""
+    if key == "topk_ratio":
+        return f"topk {value:g}"
+    return {"accumulate_on": "summed on the host", "dense_params": "no dense set",
+            "stream_grads": "streamed", "accumulator_dtype": f"{value} sums"}.get(
+                key, f"{key}={value!r}")
 
 
 def _setting(profile: str) -> str:
@@ -67,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         points = curve(args.model, name, args.gpus, args.sharding)
         curves[name] = points
-        print(f"| `{name}` ({_setting(name)}) | " + " | ".join(cell(p) for p in points) + " |")
+        cfg = M.zenflow_config(load_profile(name).settings)
+        print(f"| `{name}` ({_setting(name)}) | " + " | ".join(cell(p, cfg) for p in points)
+              + " |")
     if args.plot:
         M.plot_curves(curves, args.plot, title=f"{args.model}, {args.gpus} GPU(s): ZenFlow "
                                                 "against its fastest peer (model)")

@@ -511,6 +511,8 @@ def test_the_tuner_never_ranks_or_saves_streaming_where_the_optimizer_refuses_it
     if out.best is None:
         with pytest.raises(ProfileNotFoundError):
             load_profile("many")
-        assert any("refuses" in n for n in out.notes), out.notes
+        # nothing fits but what the optimizer refuses, or what fits failed the quality bar
+        assert any("refuses" in n or "failed the quality bar" in n for n in out.notes), \
+            out.notes
     else:
         assert not load_profile("many").settings.get("stream_grads")

@@ -158,10 +158,27 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
                                                       **where) for m in PEER_MODES})
     if rows and not any(r.fits for r in rows):
         out.notes.append(_nothing_fits(hw, wl, where, base, rows, store.real is not None))
+    elif rows and out.best is None:
+        out.notes.append(_none_eligible(rows, where))
     if out.best is not None and save_as is not None:
         out.profile = modelled_profile(out, save_as)
         out.profile_path = save_profile(out.profile, profile_dir)
     return out
+
+
+def _none_eligible(rows: list[ModelledRow], where: dict[str, Any]) -> str:
+    """Why no setting that fits was picked: the fastest that fits, and what it failed (the
+    quality bar, or the optimizer's refusal on this topology)."""
+    r = next(r for r in rows if r.fits)
+    s = r.point.settings
+    why = (refused(r.settings, where) and "the optimizer refuses it on "
+           f"{where['gpus']} GPU(s) under {where['sharding']}")
+    if not why:
+        v = getattr(r.point, "verdict", None)
+        why = ("it failed the quality bar" + (f": {v.summary()}" if v is not None else ""))
+    return (f"no eligible setting: the fastest that fits is topk_ratio={s['topk_ratio']:g}, "
+            f"update_interval={s['update_interval']} (micro-batches of "
+            f"{r.prediction.micro_batch_tokens} tokens), and {why}")
 
 
 def _check_inputs(gpus: Any, mfu: float | None, quality: str, sharding: str) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .inputs import MODES, Hardware, StepModelError, Workload, zenflow_config
-from .step import memory_fits, predict
+from .step import fitting_zenflow, memory_fits, predict
 from .timeline import Prediction
 
 MICRO_BATCH_CAP = 4096
@@ -60,6 +60,18 @@ def predict_fitting(hw: Hardware, wl: Workload, mode: str, **kw: Any) -> Predict
     return predict(hw, next(fitting, choices[-1]), mode, **kw)
 
 
+def fitting_zenflow_at_batch(hw: Hardware, wl: Workload, **kw: Any) -> Prediction | None:
+    """The leaner ZenFlow setting that fits (:func:`~.step.fitting_zenflow`) at the largest
+    micro-batch where one does (the workload's own, if it names one), or None."""
+    sizes = ([wl.micro_batch_tokens] if wl.micro_batch_tokens is not None
+             else micro_batch_choices(wl.tokens))
+    for m in sizes:
+        p = fitting_zenflow(hw, wl.replace(micro_batch_tokens=m), **kw)
+        if p is not None:
+            return p
+    return None
+
+
 @dataclass(frozen=True)
 class BatchPoint:
     """ZenFlow and its fastest peer at one number of tokens per optimizer step."""
@@ -81,10 +93,11 @@ class BatchPoint:
 def batch_curve(hw: Hardware, wl: Workload, *, config: Any = None,
                 tokens: Sequence[int] = CURVE_TOKENS, gpus: int = 1, sharding: str = "ddp",
                 resident_fraction: float | None = None,
-                peers: Sequence[str] = PEERS) -> list[BatchPoint]:
+                peers: Sequence[str] = PEERS, lean: bool = False) -> list[BatchPoint]:
     """At each of ``tokens`` per optimizer step (per GPU), ZenFlow at ``config`` and every
     peer, each at the largest micro-batch that fits (:func:`predict_fitting`), and the
-    fastest peer that fits."""
+    fastest peer that fits. ``lean``: where ZenFlow at ``config`` fits no micro-batch, the
+    leaner setting that fits (:func:`fitting_zenflow_at_batch`; its ``settings`` say which)."""
     cfg = zenflow_config(config)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -94,6 +107,8 @@ def batch_curve(hw: Hardware, wl: Workload, *, config: Any = None,
         w = wl.replace(tokens=int(t), micro_batch_tokens=None)
         kw = dict(gpus=gpus, config=cfg, sharding=sharding)
         zen = predict_fitting(hw, w, "zenflow", **kw)
+        if lean and not zen.fits:
+            zen = fitting_zenflow_at_batch(hw, w, **kw) or zen
         fit = {}
         for m in peers:
             p = predict_fitting(hw, w, m, resident_fraction=resident_fraction, **kw)

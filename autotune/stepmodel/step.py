@@ -225,6 +225,8 @@ def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = 
     ranked = []
     for values in itertools.product(*LEAN_CHOICES.values()):
         c = cfg.replace(**{k: v for k, v in zip(LEAN_CHOICES, values) if v is not None})
+        if not memory_fits(hw, wl, "zenflow", gpus=gpus, config=c, sharding=sharding):
+            continue
         p = predict(hw, wl, "zenflow", gpus=gpus, config=c, sharding=sharding)
         if p.fits:
             given_up = (cfg.topk_ratio - c.topk_ratio, c.dense_params != cfg.dense_params,
