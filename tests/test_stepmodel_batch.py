@@ -196,3 +196,14 @@ def test_the_modelled_tuner_ranks_at_the_users_batch(capsys, tmp_path, monkeypat
     out = capsys.readouterr().out
     assert "65536 tokens/GPU/step, each setting in its largest micro-batches that fit" in out
     assert cli.main(argv + ["--tokens", "2048", "--micro-batch-tokens", "4096"]) == cli.EXIT_USAGE
+
+
+def test_the_zero3_offload_runs_are_each_checked_against_the_model():
+    from autotune.stepmodel.report import ZERO3_OFFLOAD_RUNS, zero_offload_calibration_table
+    table = zero_offload_calibration_table()
+    for seqs, published in ZERO3_OFFLOAD_RUNS["runs"]:
+        row = next(line for line in table.splitlines() if line.startswith(f"| {seqs} |"))
+        assert f"| {published:.2f} |" in row
+        model = float(row.split("|")[3])
+        err = row.split("|")[4].strip()
+        assert err == f"{model / published - 1:+.0%}"

@@ -288,3 +288,39 @@ def published_peers(hw: Hardware, wl: Workload) -> list[str]:
                        f"at {p['tokens_per_s']:g} tokens/s on an {p['card']}, "
                        f"{step:.2f} s per {wl.tokens} tokens; {p['what']} ({p['source']})")
     return out
+
+
+ZERO3_OFFLOAD_RUNS = dict(
+    source="SlideFormer's DeepSpeed baseline (bench/DeepSpeed/ds_bench_1024_bf16_on_20260224_"
+           "211132.csv, commit a0ddba6; setup in bench/DeepSpeed/ds_bench.py)",
+    setup="Llama-3.1-8B on one RTX 4090 (24 GB), ZeRO-3 with optimizer and param offload "
+          "(pinned), sequences of 1024 tokens, HF gradient checkpointing, a fused linear "
+          "cross-entropy (no fp32 logits), bf16; host CPU not stated; host memory peak 176.3 GB",
+    runs=((8, 8.97), (16, 11.93), (32, 18.30)),   # (sequences per step, seconds per step)
+    why="one forward and backward pass a step: the GPU's allocated peak grows with the "
+        "batch (8.5, 10.6, 16.4 GB), so each batch is one micro-batch, not accumulation; the "
+        "model's nearest mode is zero-offload (ZeRO-1/2 offload: the params stay on the GPU, "
+        "where ZeRO-3 also fetches them per layer over the link) and its delayed-update "
+        "variant, at the profile rtx4090-pcie4 and MFU 0.4 (the runs reached 42.6-83.5 "
+        "TFLOP/s, 0.26-0.51 of the card's 165)")
+"""Published ZeRO-3 offload runs on a 24 GB desktop card: the step model's check at several
+batch sizes (``bench/stepmodel_calibration.py``)."""
+
+
+def zero_offload_calibration_table(profile: str = "rtx4090-pcie4",
+                                   model: str = "llama3-8b") -> str:
+    """The model's ZeRO-Offload step against :data:`ZERO3_OFFLOAD_RUNS`: one row per
+    published batch, the modelled step of each mode and its relative error."""
+    hw = Hardware.from_profile(profile)
+    lines = ["| sequences x 1024 tokens | published s/step | zero-offload (model) | error | "
+             "zero-offload-dpu (model) | error |", "| --- | --- | --- | --- | --- | --- |"]
+    for seqs, published in ZERO3_OFFLOAD_RUNS["runs"]:
+        wl = Workload.from_spec(model, tokens=1024 * seqs)
+        cells = []
+        for mode in ("zero-offload", "zero-offload-dpu"):
+            t = predict(hw, wl, mode).modelled_step_time_s
+            cells += [f"{t:.2f}", f"{t / published - 1:+.0%}"]
+        lines.append(f"| {seqs} | {published:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", f"Source: {ZERO3_OFFLOAD_RUNS['source']}. Setup: {ZERO3_OFFLOAD_RUNS['setup']}."
+              f" Read as: {ZERO3_OFFLOAD_RUNS['why']}."]
+    return "\n".join(lines)
