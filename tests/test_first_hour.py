@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotune import cli
-from autotune.stepmodel.inputs import PRESETS
+from autotune.stepmodel.workload import PRESETS
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.profiles import load_profile
 

@@ -236,6 +236,10 @@ class ZenFlowConfig:
             raise ConfigError(f"fresh_if_spread must be True or False, got "
                               f"{self.fresh_if_spread!r}")
         _check_choice("backend", self.backend, Backend)
+        self._check_host()
+
+    def _check_host(self) -> None:
+        """The host side's fields: threads, cores, the host step size, the timeout."""
         if self.host_threads is not None:
             _check_number("host_threads", self.host_threads, int, lo=1, rng=">= 1 or None")
         if self.host_cores is not None:

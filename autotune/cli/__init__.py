@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from ..defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
 from ..names import code_key  # noqa: F401  (part of a default study name; tests use it here)
-from ..stepmodel.inputs import PRESETS as PRESET_NAMES
+from ..stepmodel.workload import PRESETS as PRESET_NAMES
 
 EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -167,6 +167,11 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
     r.add_argument("--save-as", dest="save_as",
                    help="name of the profile to save (modelled default: <profile>-<model>; "
                         "measured: the same as --profile)")
+    _add_grid_options(r)
+
+
+def _add_grid_options(r: argparse.ArgumentParser) -> None:
+    """The modelled objective's quality grid (and the delay and betas searched)."""
     r.add_argument("--topk-grid", dest="topk_grid",
                    help="modelled objective: comma-separated topk_ratio values of the "
                         "quality grid (default 0.01,0.02,0.05,0.1,0.2,0.3,0.5)")
@@ -273,6 +278,11 @@ def _add_predict_parser(sub: Any) -> None:
     pr.add_argument("--no-recompute", action="store_true",
                     help="count the activations of a step without activation recompute "
                          "(default: full recompute, as a 7-8B fine-tune on one card runs)")
+    _add_predict_settings(pr)
+
+
+def _add_predict_settings(pr: argparse.ArgumentParser) -> None:
+    """``predict``'s ZenFlow settings (over the profile's), state-swap's share and output."""
     pr.add_argument("--topk-ratio", type=float, default=None,
                     help="ZenFlow topk_ratio (default: the profile's)")
     pr.add_argument("--update-interval", type=_pos_int, default=None,

@@ -36,8 +36,11 @@ only through :class:`~zenflow_triton.config.ZenFlowConfig`, the optimizer's colu
 Where each part lives (each file imports only from the ones above it in this list):
 
 * ``inputs.py``: the names and constants, :class:`StepModelError`, :class:`Hardware` (a
-  profile's facts), :class:`ParamSpec`, :class:`Layer`, :data:`PRESETS`, :class:`Workload`
-  (from a preset or a ``torch.nn.Module``) and :func:`zenflow_config`;
+  profile's facts) and :func:`zenflow_config`;
+* ``workload.py``: :class:`ParamSpec`, :class:`Layer`, :data:`PRESETS` and
+  :class:`Workload` (from a preset, an HF ``config.json`` or a ``torch.nn.Module``; its
+  tokens per optimizer step and per micro-batch);
+* ``activations.py``: the activation memory of one micro-batch;
 * ``timeline.py``: :class:`Segment`, the four FIFO lanes, the scheduler that runs windows
   until they repeat (and reschedules until the link's contended transfers settle), and
   :class:`Prediction`;
@@ -59,8 +62,9 @@ from .inputs import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_HOST_ADAM_ELEMENTS_P
                      DEFAULT_HOST_CORES_PER_ACCELERATOR, DEFAULT_MFU, DEFAULT_SEQ_LEN,
                      DEFAULT_TOKENS, DEVICE_ADAMW_BYTES_PER_ELEMENT, DEVICE_HEADROOM,
                      HOST_ADAM_BYTES_PER_ELEMENT, HOST_MEMORY_EFFICIENCY, INDEX_BYTES, LANES,
-                     MODES, PRESETS, SCRATCH_BYTES_PER_THREAD, SHARDINGS, Hardware, Layer,
-                     ParamSpec, StepModelError, Workload, zenflow_config)
+                     MODES, SCRATCH_BYTES_PER_THREAD, SHARDINGS, Hardware, StepModelError,
+                     zenflow_config)
+from .workload import PRESETS, Layer, ParamSpec, Workload
 from .timeline import Prediction, Segment
 from .step import (LEAN_CHOICES, fitting_zenflow, host_update_seconds, lean_changes,
                    params_and_grads_bytes, predict, predict_all, resident_that_fits)

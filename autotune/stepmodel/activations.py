@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .inputs import Workload
+from .workload import Workload
 
 
 def _blocks(wl: Workload):

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .inputs import MODES, Hardware, StepModelError, Workload, zenflow_config
+from .inputs import MODES, Hardware, StepModelError, zenflow_config
+from .workload import Workload
 from .step import fitting_zenflow, memory_fits, predict
 from .timeline import Prediction
 

@@ -29,8 +29,8 @@ from typing import Any
 from zenflow_triton.columns.selection import num_selected
 
 from .inputs import (DEVICE_ADAMW_BYTES_PER_ELEMENT, DTYPE_BYTES, HOST_ADAM_BYTES_PER_ELEMENT,
-                     INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, STATE_SWAP_CHUNK_ELEMENTS,
-                     Hardware, Workload)
+                     INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, STATE_SWAP_CHUNK_ELEMENTS, Hardware)
+from .workload import Workload
 from .activations import activation_bytes
 from .timeline import Lanes, run_windows
 
@@ -254,8 +254,8 @@ def zero_offload(c: Costs, K: int):
     device AdamW of the small params, the gradient down (in the param dtype: DeepSpeed
     sends it in fp32, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``, so the model
     favours the peer by half a gradient's bytes; it is also this library's own ZeRO-Offload
-    mode, ``topk_ratio=0, update_interval=1, overlap=False``, which sends the param dtype), host AdamW of every offloaded
-    element, params up, then the next step's forward."""
+    mode, ``topk_ratio=0, update_interval=1, overlap=False``, which sends the param dtype),
+    host AdamW of every offloaded element, params up, then the next step's forward."""
     P = sum(c.matrix) / c.n_gpus
     F, B, small = sum(c.fwd), sum(c.bwd), _small_adam(c)
     down, up, host = P * c.b / c.BL_down, P * c.b / c.BL_up, P / c.R

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .inputs import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_MFU, LANES, Hardware,
-                     StepModelError, Workload)
+from .inputs import DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_MFU, LANES, Hardware, StepModelError
+from .workload import Workload
 from .step import predict, predict_all
 from .timeline import Prediction
 

@@ -6,10 +6,12 @@ machine."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .inputs import (DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SETTING_KEYS, SHARDINGS,
-                     Hardware, StepModelError, Workload, zenflow_config)
+from .inputs import (DEFAULT_HOST_CORES_PER_ACCELERATOR, MODES, SETTING_KEYS, SHARDINGS, Hardware,
+                     StepModelError, zenflow_config)
+from .workload import Workload
 from .modes import (adamw, gpu_costs, memory_use, overlapped_offload,
                     state_bytes, state_swap, zenflow, zenflow_split, zero_offload,
                     zero_offload_dpu)
@@ -31,6 +33,41 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     updates only its rows). ``resident_fraction``: the share of the Adam state that
     ``"state-swap"`` keeps on the device (NeMo-RL's ``1 - optimizer_offload_fraction``);
     None: the most that fits (:func:`resident_that_fits`)."""
+    _check(mode, gpus, sharding, resident_fraction)
+    cfg = zenflow_config(config, **settings)
+    if mode == "state-swap" and resident_fraction is None:
+        resident_fraction = resident_that_fits(hw, wl, gpus=gpus, config=cfg,
+                                               sharding=sharding)
+    resident_fraction = resident_fraction or 0.0
+    K = cfg.update_interval if mode == "zenflow" else (window_steps or cfg.update_interval)
+    # ZenFlow keeps its dense set whole on the device; the other modes offload every matrix.
+    c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel,
+                  cfg.dense_params if mode == "zenflow" else (), sharding)
+    if mode == "overlapped-offload" and c.micro > 1:
+        return _refused(hw, wl, mode, K, "steps inside backward cannot accumulate gradients "
+                        f"over {c.micro} micro-batches (torchtune's optimizer-in-backward "
+                        "refuses gradient accumulation)")
+    g = _graph(mode, c, K, wl, cfg, prefetch_result, resident_fraction, sharding)
+    window, segs, busy = steady_window(g.lanes, g.starts)
+    step = window / K + g.extra
+    stall = (window - busy["device"] + K * g.extra) / (K * step) if step > 0 else 0.0
+    host_busy = busy["host"] / (K * step) if step > 0 else 0.0
+    mem, dev_bytes, host_bytes, dev_fits, host_fits = _memory(hw, wl, mode, c, cfg, gpus,
+                                                               resident_fraction)
+    notes = g.notes + _memory_notes(hw, wl, gpus, dev_bytes, host_bytes, dev_fits, host_fits)
+    fits = dev_fits and host_fits
+    return Prediction(
+        mode=mode, step_time_s=step if fits else None,
+        stall_fraction=max(0.0, stall) if fits else None,
+        link_bytes_per_step=g.down + g.up, link_down_bytes_per_step=g.down,
+        link_up_bytes_per_step=g.up, host_busy_fraction=host_busy if fits else None,
+        device_memory_bytes=dev_bytes, host_memory_bytes=host_bytes, fits=fits,
+        modelled_step_time_s=step, window_steps=K, window_time_s=window, timeline=segs,
+        memory=mem, settings=g.settings, notes=notes, micro_batch_tokens=wl.micro_tokens,
+        micro_batches=wl.micro_batches)
+
+
+def _check(mode: str, gpus: Any, sharding: str, resident_fraction: float | None) -> None:
     if mode not in MODES:
         raise StepModelError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
@@ -40,86 +77,80 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
                              f"{', '.join(SHARDINGS)}")
     if resident_fraction is not None and not 0.0 <= resident_fraction <= 1.0:
         raise StepModelError(f"resident_fraction must be in [0, 1], got {resident_fraction!r}")
-    cfg = zenflow_config(config, **settings)
-    if mode == "state-swap" and resident_fraction is None:
-        resident_fraction = resident_that_fits(hw, wl, gpus=gpus, config=cfg,
-                                               sharding=sharding)
-    resident_fraction = resident_fraction or 0.0
-    K = window_steps or cfg.update_interval
-    # ZenFlow keeps its dense set whole on the device; the other modes offload every matrix.
-    c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel,
-               cfg.dense_params if mode == "zenflow" else (), sharding)
-    procs = hw.processes_per_host(gpus)
-    P = sum(c.matrix) / gpus
-    extra = 0.0
-    notes: list[str] = []
-    out_settings = None
+
+
+@dataclass
+class _Graph:
+    """A mode's scheduled windows, its link bytes per step each way, the amortised extra
+    time per step, its notes and (ZenFlow) the settings it ran with."""
+
+    lanes: Any
+    starts: list[float]
+    down: float
+    up: float
+    extra: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    settings: dict[str, Any] | None = None
+
+
+def _graph(mode: str, c: Any, K: int, wl: Workload, cfg: Any, prefetch_result: bool,
+           resident: float, sharding: str) -> _Graph:
+    """Lay out ``mode``'s graph (:mod:`.modes`) and count what it sends over the link."""
+    P, sharded_ddp = sum(c.matrix) / c.n_gpus, c.n_gpus > 1 and sharding == "ddp"
     if mode == "adamw":
-        (lanes, starts), down_b, up_b = adamw(c, K), 0.0, 0.0
-        if gpus > 1 and sharding == "ddp":
-            notes.append("optimizer state sharded over the GPUs (ZeRO-1/2); its all-gather "
-                         "is not modelled")
-    elif mode in ("zero-offload", "zero-offload-dpu"):
+        g = _Graph(*adamw(c, K), 0.0, 0.0)
+        if sharded_ddp:
+            g.notes.append("optimizer state sharded over the GPUs (ZeRO-1/2); its all-gather "
+                           "is not modelled")
+        return g
+    if mode in ("zero-offload", "zero-offload-dpu"):
         graph = zero_offload if mode == "zero-offload" else zero_offload_dpu
         # the gradient sum's round trips between micro-batches, then the gradient down
-        down_b = P * c.b + (c.micro - 1) * P * c.b
-        (lanes, starts), up_b = graph(c, K), P * c.b + (c.micro - 1) * P * c.b
+        each_way = P * c.b + (c.micro - 1) * P * c.b
+        g = _Graph(*graph(c, K), each_way, each_way)
         if c.micro > 1:
-            notes.append(f"{c.micro} micro-batches of {wl.micro_tokens} tokens: the gradient "
-                         "sum goes up and back down over the link during each backward "
-                         "(DeepSpeed keeps it in pinned host memory)")
-    elif mode == "overlapped-offload" and c.micro > 1:
-        return _refused(hw, wl, mode, K, "steps inside backward cannot accumulate gradients "
-                        f"over {c.micro} micro-batches (torchtune's optimizer-in-backward "
-                        "refuses gradient accumulation)")
-    elif mode == "overlapped-offload":
-        (lanes, starts), down_b, up_b = overlapped_offload(c, K), P * c.b, P * c.b
-    elif mode == "state-swap":
-        moved = P * (1.0 - resident_fraction) * state_bytes(c)
-        (lanes, starts), down_b, up_b = state_swap(c, K, resident_fraction), moved, moved
-        notes.append(f"{resident_fraction:.0%} of the Adam state resident on the device, "
-                     "the rest streamed through it every step")
-        if gpus > 1 and sharding == "ddp":
-            notes.append("Adam state sharded over the GPUs (ZeRO-1/2); its all-gather is "
-                         "not modelled")
-    else:
-        K = cfg.update_interval
-        (lanes, starts), extra, info = zenflow(c, K, wl, cfg, prefetch_result)
-        down_b = info["link_down_per_window"] / K
-        up_b = info["link_up_per_window"] / K
-        out_settings = {k: getattr(cfg, k) for k in SETTING_KEYS}
-        out_settings["select_interval"] = cfg.effective_select_interval
-        out_settings["prefetch_result"] = prefetch_result
-        if extra:
-            notes.append(f"a reselection every {cfg.effective_select_interval} steps drains "
-                         f"the host job: +{extra * 1e3:.3g} ms per step, amortised")
-    window, segs, busy = steady_window(lanes, starts)
-    busy_dev, busy_host = busy["device"], busy["host"]
-    step = window / K + extra
-    stall = (window - busy_dev + K * extra) / (K * step) if step > 0 else 0.0
-    host_busy = busy_host / (K * step) if step > 0 else 0.0
-    mem, dev_bytes, host_bytes, dev_fits, host_fits = _memory(hw, wl, mode, c, cfg, gpus,
-                                                               resident_fraction)
+            g.notes.append(f"{c.micro} micro-batches of {wl.micro_tokens} tokens: the gradient "
+                           "sum goes up and back down over the link during each backward "
+                           "(DeepSpeed keeps it in pinned host memory)")
+        return g
+    if mode == "overlapped-offload":
+        return _Graph(*overlapped_offload(c, K), P * c.b, P * c.b)
+    if mode == "state-swap":
+        moved = P * (1.0 - resident) * state_bytes(c)
+        g = _Graph(*state_swap(c, K, resident), moved, moved)
+        g.notes.append(f"{resident:.0%} of the Adam state resident on the device, the rest "
+                       "streamed through it every step")
+        if sharded_ddp:
+            g.notes.append("Adam state sharded over the GPUs (ZeRO-1/2); its all-gather is "
+                           "not modelled")
+        return g
+    (lanes, starts), extra, info = zenflow(c, K, wl, cfg, prefetch_result)
+    out_settings = {k: getattr(cfg, k) for k in SETTING_KEYS}
+    out_settings["select_interval"] = cfg.effective_select_interval
+    out_settings["prefetch_result"] = prefetch_result
+    g = _Graph(lanes, starts, info["link_down_per_window"] / K, info["link_up_per_window"] / K,
+               extra, settings=out_settings)
+    if extra:
+        g.notes.append(f"a reselection every {cfg.effective_select_interval} steps drains the "
+                       f"host job: +{extra * 1e3:.3g} ms per step, amortised")
+    return g
+
+
+def _memory_notes(hw: Hardware, wl: Workload, gpus: int, dev_bytes: int, host_bytes: int,
+                  dev_fits: bool, host_fits: bool) -> list[str]:
+    notes = []
     if not dev_fits:
         notes.append(f"does not fit: needs {dev_bytes / 1e9:.1f} GB of device memory "
                      f"(activations of {wl.micro_tokens} tokens included), the device has "
                      f"{hw.device_memory_bytes / 1e9:.0f} GB, {hw.usable_device_bytes / 1e9:.1f} "
                      "usable")
     if not host_fits:
+        procs = hw.processes_per_host(gpus)
         node_host = host_bytes * procs  # the node's GPU processes share its memory
         notes.append(f"does not fit the host: {procs} process(es) need {node_host / 1e9:.1f} GB "
                      f"of host memory, the host has {hw.host_memory_bytes / 1e9:.0f} GB, "
                      f"{hw.usable_host_bytes / 1e9:.1f} usable")
-    fits = dev_fits and host_fits
-    return Prediction(
-        mode=mode, step_time_s=step if fits else None,
-        stall_fraction=max(0.0, stall) if fits else None,
-        link_bytes_per_step=down_b + up_b, link_down_bytes_per_step=down_b,
-        link_up_bytes_per_step=up_b, host_busy_fraction=host_busy if fits else None,
-        device_memory_bytes=dev_bytes, host_memory_bytes=host_bytes, fits=fits,
-        modelled_step_time_s=step, window_steps=K, window_time_s=window, timeline=segs,
-        memory=mem, settings=out_settings, notes=notes, micro_batch_tokens=wl.micro_tokens,
-        micro_batches=wl.micro_batches)
+    return notes
 
 
 def _memory(hw: Hardware, wl: Workload, mode: str, c: Any, cfg: Any, gpus: int,

@@ -62,7 +62,7 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
     without picks). Returns ``(moves, {device: its values as a numpy array})``; without
     ``also``, the moves alone."""
     picks: dict[torch.device, list] = {}
-    moves = []
+    moves: list = []
     ranked = []
     for group, p, g in items:
         cols = shape2d(p)[1]
@@ -84,6 +84,14 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
             measure(p, s)
         if k is not None:
             picks.setdefault(p.device, []).append((p, select_columns(s, k), beta1, beta2))
+    brought = _bring_picks(picks, state, link, also, moves)
+    return moves if also is None else (moves, brought)
+
+
+def _bring_picks(picks: dict, state: dict, link: Link, also: dict | None,
+                 moves: list) -> dict:
+    """Each device's picks to the host in one copy (its ``also`` rider in the same copy),
+    appended to ``moves``; returns the riders' values per device."""
     riders = dict(also or {})
     brought = {}
     for device, device_picks in picks.items():
@@ -101,4 +109,4 @@ def plan_selection(items, state: dict, ops: KernelOps, link: Link,
             brought[device] = flat[off:]
     for device, rider in riders.items():  # a device with flags and no picks
         brought[device] = link.to_host(rider).numpy()
-    return moves if also is None else (moves, brought)
+    return brought
