@@ -168,6 +168,6 @@ def test_fitting_zenflow_gives_up_least_and_says_when_nothing_can(capsys):
     assert "nothing fits" in capsys.readouterr().out
     assert cli.main(["predict", "--profile", "rtx4090-pcie4", "--model", "llama3-8b"]) == 0
     out = capsys.readouterr().out
-    assert "nothing fits: the params (bfloat16), two buckets" in out
-    assert "fits at 2048 tokens per step" in out and "stream_grads=True" in out
+    # the activations of 4096 tokens leave no room: micro-batches of 2048 do, leaner
+    assert "in micro-batches of 2048 tokens" in out and "stream_grads=True" in out
     assert "peer (published, not modelled): torchtune" in out

@@ -122,54 +122,29 @@ def _print_curve(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: 
 
 def _what_fits(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg: Any,
                zen: M.Prediction) -> list[str]:
-    """When ZenFlow at these settings does not fit: the fastest leaner ZenFlow setting that
-    does, or why nothing can (the params and gradients alone)."""
+    """When ZenFlow at these settings fits no micro-batch: the leaner ZenFlow setting that
+    fits at the largest micro-batch where one does, or why nothing can (the params,
+    gradients and the smallest micro-batch's activations alone)."""
     if zen.fits or hw.device_memory_bytes is None:
         return []
     gb = hw.device_memory_bytes / 1e9
-    floor = M.params_and_grads_bytes(wl, gpus=args.gpus, sharding=args.sharding) / 1e9
+    smallest = wl.replace(micro_batch_tokens=zen.micro_batch_tokens)
+    floor = M.params_and_grads_bytes(smallest, gpus=args.gpus, sharding=args.sharding) / 1e9
     usable = hw.usable_device_bytes / 1e9
     if floor > usable:
-        out = [f"nothing fits: the params ({wl.dtype}), two buckets of the largest matrix's "
-               f"gradient and the activations of {wl.tokens} tokens alone need {floor:.1f} "
-               f"GB of the device's {usable:.1f} usable GB, before any optimizer state"]
-        smaller = _fewer_tokens(args, hw, wl, cfg)
-        return out + ([smaller] if smaller else [
-            "shard them (--gpus N --sharding fsdp2) or take a larger card"])
-    best = M.fitting_zenflow(hw, wl, gpus=args.gpus, config=cfg, sharding=args.sharding)
+        return [f"nothing fits: the params ({wl.dtype}), two buckets of the largest matrix's "
+                f"gradient and the activations of {smallest.micro_tokens} tokens alone need "
+                f"{floor:.1f} GB of the device's {usable:.1f} usable GB, before any optimizer "
+                "state; shard them (--gpus N --sharding fsdp2) or take a larger card"]
+    best = M.fitting_zenflow_at_batch(hw, wl, gpus=args.gpus, config=cfg,
+                                      sharding=args.sharding)
     if best is None:
-        out = [f"no leaner ZenFlow setting fits {gb:.0f} GB at {wl.tokens} tokens per step "
-               f"(params, gradient buckets and activations: {floor:.1f} GB of {usable:.1f} "
-               f"usable; tried {', '.join(M.LEAN_CHOICES)})"]
-        smaller = _fewer_tokens(args, hw, wl, cfg)
-        return out + ([smaller] if smaller else [])
+        return [f"no leaner ZenFlow setting fits {gb:.0f} GB in micro-batches down to "
+                f"{smallest.micro_tokens} tokens (params, gradient buckets and activations: "
+                f"{floor:.1f} GB of {usable:.1f} usable; tried {', '.join(M.LEAN_CHOICES)})"]
     changed = M.lean_changes(best, cfg)
-    return [f"fits: zenflow with {', '.join(f'{k}={v!r}' for k, v in changed.items())}: "
-            f"{best.step_time_s:.3f} s/step, {best.device_memory_bytes / 1e9:.1f} GB device, "
+    return [f"fits: zenflow with {', '.join(f'{k}={v!r}' for k, v in changed.items())} in "
+            f"micro-batches of {best.micro_batch_tokens} tokens: {best.step_time_s:.3f} s/step, "
+            f"{best.device_memory_bytes / 1e9:.1f} GB device, "
             f"{best.host_memory_bytes / 1e9:.1f} GB host (a prediction; the quality of these "
             "settings: docs/quality.md)"]
-
-
-def _fewer_tokens(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload,
-                  cfg: Any) -> str | None:
-    """Where the activations of ``wl.tokens`` leave no room: the most tokens per step (halved
-    down to 256) at which a ZenFlow setting fits, with ZeRO-Offload's figures there (a
-    micro-batch that size, gradient accumulation for the batch)."""
-    tokens = wl.tokens // 2
-    while tokens >= 256:
-        w = wl.replace(tokens=tokens)
-        best = M.fitting_zenflow(hw, w, gpus=args.gpus, config=cfg, sharding=args.sharding)
-        if best is not None:
-            zero = M.predict(hw, w, "zero-offload", gpus=args.gpus, config=cfg,
-                             sharding=args.sharding)
-            changed = M.lean_changes(best, cfg)
-            zero_s = (f"{zero.step_time_s:.3f} s/step" if zero.fits else "does not fit")
-            return (f"fits at {tokens} tokens per step (micro-batches of that size, gradient "
-                    f"accumulation for the batch): zenflow with "
-                    f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}: "
-                    f"{best.step_time_s:.3f} s/step, {best.device_memory_bytes / 1e9:.1f} GB "
-                    f"device, {best.host_memory_bytes / 1e9:.1f} GB host; zero-offload there: "
-                    f"{zero_s}, {zero.device_memory_bytes / 1e9:.1f} GB device (a prediction; "
-                    "the quality of these settings: docs/quality.md)")
-        tokens //= 2
-    return None

@@ -74,7 +74,8 @@ from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, PUBLISHED_PEER
 from .activations import activation_bytes
 from .modes import optimizer_state_bytes
 from .batch import (CURVE_TOKENS, MICRO_BATCH_CAP, BatchPoint, batch_curve, curve_table,
-                    micro_batch_choices, plot_curves, predict_fitting, verdict)
+                    fitting_zenflow_at_batch, micro_batch_choices, plot_curves,
+                    predict_fitting, verdict)
 
 __all__ = [
     "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
@@ -85,6 +86,7 @@ __all__ = [
     "activation_bytes", "DEVICE_HEADROOM", "optimizer_state_bytes",
     "CURVE_TOKENS", "MICRO_BATCH_CAP", "BatchPoint", "batch_curve", "curve_table",
     "micro_batch_choices", "plot_curves", "predict_fitting", "verdict",
+    "fitting_zenflow_at_batch",
     "DEFAULT_MFU", "DEFAULT_TOKENS", "DEFAULT_SEQ_LEN",
     "DEFAULT_HOST_CORES_PER_ACCELERATOR", "DEFAULT_HOST_ADAM_ELEMENTS_PER_S_PER_CORE",
     "DEFAULT_ACCELERATORS_PER_NODE", "HOST_MEMORY_EFFICIENCY", "HOST_ADAM_BYTES_PER_ELEMENT",
