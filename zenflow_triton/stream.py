@@ -297,13 +297,20 @@ class GradStream:
         self.note_step(collected)
         return collected
 
-    def checked(self, check: Callable[[], Any]) -> Any:
-        """``check()`` (the step's NaN/inf check, before any change); what the hooks left is
-        dropped when it raises NonFiniteGradientError: that step is skipped, its gradients
-        with it (as a framework's zero_grad would drop a ``.grad``)."""
+    def checked(self, check: Callable[[], Any], work=()) -> Any:
+        """``check()`` (the step's NaN/inf check, before any change). When it raises
+        NonFiniteGradientError while streaming, the step is skipped with its whole gradient,
+        as a framework's zero_grad would drop it: what the hooks left and the ``.grad`` of the
+        small params in ``work`` (set to None). The next backward and step then see only
+        their own gradients, with or without a ``zero_grad()`` in between, and not a mix of
+        two backward passes (the matrices' dropped, the small params' added up)."""
         try:
             return check()
         except FloatingPointError:
+            if self.active:
+                for _, p, _ in work:
+                    if p not in self._bufs:
+                        p.grad = None
             self.discard()
             raise
 
