@@ -13,6 +13,8 @@ non-blocking copies complete on another thread, only once someone waits for them
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -38,8 +40,8 @@ def train(late: bool, steps: int = 12, micro: int = 1, load_at: int | None = Non
         for t in range(steps):
             for _ in range(micro):
                 next(data)(model).backward()
-            if load_at is not None and t == load_at - 1:
-                saved = opt.state_dict()
+            if load_at is not None and t == load_at - 1:  # a checkpoint as written out (an
+                saved = copy.deepcopy(opt.state_dict())  # in-memory one aliases the state)
             if t == load_at:
                 opt.load_state_dict(saved)
             opt.step()
