@@ -33,9 +33,9 @@ Ordering invariants:
   which first waits for the adder's jobs of those columns.
 * Back-pressure: a hook waits (bounded by ``host_timeout``) for the oldest copies still
   possibly in flight before a new one would make their sources exceed :attr:`copy_bound`
-  bytes (twice the largest streamed matrix's gradient): on a GPU a copy's source stays
-  allocated until the copy is done, so a link slower than backward slows backward down
-  instead of piling gradients up on the device.
+  bytes (the largest streamed matrix's gradient; with the gradient in hand, twice that: what
+  ``fit`` counts): on a GPU a copy's source stays allocated until the copy is done, so a
+  link slower than backward slows backward down instead of piling gradients up.
 * Where the training thread waits for the host copies: a step of several micro-batches with
   ``check_finite`` waits in :meth:`work`, before any change, for the host sums (the adder's
   jobs, each after its copies): a sum of finite micro-batches may overflow, and the step's
@@ -248,7 +248,7 @@ class GradStream:
         st = self.state.get(p)
         unselected = not st or not st.get("selected")
         b = _Buffers(whole=plan.warmup or plan.reselect or unselected)
-        self.copy_bound = max(self.copy_bound, 2 * p.numel() * p.element_size())
+        self.copy_bound = max(self.copy_bound, p.numel() * p.element_size())
         if b.whole and not plan.warmup:
             b.scores = torch.zeros(shape2d(p)[1], dtype=torch.float32, device=p.device)
             self._held += b.scores.numel() * 4
