@@ -558,3 +558,46 @@ def test_the_trainer_builds_the_optimizer_once_when_it_moves_clipping(tmp_path, 
         assert args.max_grad_norm == 0.0
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("bad", ["loss", "one matrix"])
+def test_a_skipped_step_drops_its_whole_gradient_without_zero_grad(bad):
+    # A step that raises NonFiniteGradientError is skipped with its gradients: the next
+    # backward and step see only their own, whether zero_grad() comes between or not, as a
+    # run without streaming does with zero_grad(); the optimizer's state is untouched.
+    # "one matrix": only a matrix's gradient is bad, the small params' stay finite (and
+    # would be added into the next step's if the skipped step kept them).
+    def run(stream, zero_after_skip):
+        model, opt, data = setup(stream)
+        for t in range(12):
+            for j in range(2):
+                loss = next(data)(model)
+                hook = None
+                if t == 5 and j == 1 and bad == "loss":
+                    loss = loss * float("inf")
+                elif t == 5 and j == 1:
+                    hook = model[2].weight.register_hook(lambda g: g * float("inf"))
+                loss.backward()
+                if hook is not None:
+                    hook.remove()
+            if t == 5:
+                before = opt.state_dict()
+                with pytest.raises(NonFiniteGradientError):
+                    opt.step()
+                after = opt.state_dict()
+                assert after["param_groups"] == before["param_groups"]
+                for i, st in before["state"].items():
+                    for k, v in st.items():
+                        w = after["state"][i][k]
+                        assert (torch.equal(v, w) if isinstance(v, torch.Tensor)
+                                else v == w), f"param {i} {k} changed by a skipped step"
+                if zero_after_skip:
+                    opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        return ended(model, opt)
+
+    want = run(False, True)
+    assert_same(want, run(True, True), "a skipped step, zero_grad after it")
+    assert_same(want, run(True, False), "a skipped step, no zero_grad after it")

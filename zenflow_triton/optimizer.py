@@ -180,7 +180,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         work = self._work()
         plan = plan_step(self._global_step + 1, self.config)
         self._clip.offer(work)  # FSDP2: the ranks' squared norms ride the NaN/inf vote
-        moves, defer = self._stream.checked(lambda: self._check(work, plan))
+        moves, defer = self._stream.checked(lambda: self._check(work, plan), work)
         self._prepare_state(work)
         self._guard.before(self._wait_before_step, self._shard.collective, self._global_step)
         self._clip.clip(work)  # after the waits: an interrupted step is retried unclipped

@@ -7,7 +7,7 @@ backward streams too) splits the gradient as the coming step will use it, then f
 
 * *split* (the param has a selection and the coming step neither warms up nor reselects):
   the host-owned columns are gathered and copied to host memory without blocking (a later
-  micro-batch's are added into the first's by the host worker, in the grad's dtype: the sum
+  micro-batch's are added into the first's by the adder thread, in the grad's dtype: the sum
   autograd would have made in ``.grad``), the device-owned ones are kept in a device buffer
   ``[rows, k]`` (a later micro-batch's added in place, as autograd adds);
 * *whole* (no selection yet, a warm-up step, a reselection step): the whole gradient goes
@@ -27,10 +27,22 @@ Ordering invariants:
 
 * A host copy is read only after its ``wait``: by the adder's job that adds a later
   micro-batch into the first's (the stream's own thread, ``zenflow-stream``, so that a sum
-  never waits behind a window's host AdamW job), by :meth:`resolve` on this thread (whole),
-  or by the step's finalize job, which :meth:`resolve` queues on the host worker before any
-  job that reads the step's host columns (the worker runs jobs in order), and which first
-  waits for the adder's jobs of those columns.
+  never waits behind a window's host AdamW job), on this thread after ``_settle`` (a whole
+  gradient in :meth:`resolve`, :meth:`scores`, :meth:`rebase`, :meth:`work`, the summed
+  norm), or by the step's finalize job, which :meth:`resolve` queues on the host worker
+  before any job that reads the step's host columns (the worker runs jobs in order), and
+  which first waits for the adder's jobs of those columns.
+* Back-pressure: a hook waits (bounded by ``host_timeout``) for the oldest copies still
+  possibly in flight before a new one would make their sources exceed :attr:`copy_bound`
+  bytes (the largest streamed matrix's gradient; with the gradient in hand, twice that: what
+  ``fit`` counts): on a GPU a copy's source stays allocated until the copy is done, so a
+  link slower than backward slows backward down instead of piling gradients up.
+* Where the training thread waits for the host copies: a step of several micro-batches with
+  ``check_finite`` waits in :meth:`work`, before any change, for the host sums (the adder's
+  jobs, each after its copies): a sum of finite micro-batches may overflow, and the step's
+  NaN/inf check must know before it changes anything. So does a selection of several
+  micro-batches (:meth:`scores`: the summed gradient's scores) and its clipping (the summed
+  norm). Otherwise the training thread does not wait for them: the finalize job does.
 * What the hooks left is taken by the next ``step()``; ``zero_grad()`` and a step that
   raises NonFiniteGradientError drop it (after its copies are done).
 """
@@ -39,6 +51,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -135,6 +148,9 @@ class GradStream:
         self._hook_peak = 0      # the most seen inside a hook (streamed gradients only)
         self.streamed = 0        # gradients streamed (hook calls)
         self._adder = None       # the thread that adds later micro-batches (made when needed)
+        self.copy_bound = 0      # device bytes the copies in flight may hold (back-pressure)
+        self._in_flight: deque = deque()  # (wait, bytes) of copies not yet waited for here
+        self._in_flight_bytes = 0
 
     # ------------------------------------------------------------------ setup
     def install(self, params, kind_of: Callable[[torch.Tensor], str]) -> None:
@@ -248,15 +264,22 @@ class GradStream:
         st = self.state.get(p)
         unselected = not st or not st.get("selected")
         b = _Buffers(whole=plan.warmup or plan.reselect or unselected)
+        self.copy_bound = max(self.copy_bound, p.numel() * p.element_size())
         if b.whole and not plan.warmup:
             b.scores = torch.zeros(shape2d(p)[1], dtype=torch.float32, device=p.device)
             self._held += b.scores.numel() * 4
         return b
 
     def _to_host(self, b: _Buffers, src: torch.Tensor) -> None:
-        """``src`` to host memory without blocking; a later micro-batch's added into the
-        first's by the host worker, after both copies are done."""
+        """``src`` to host memory without blocking (after :meth:`_make_room`); a later
+        micro-batch's added into the first's by the adder thread, after both copies are
+        done."""
+        nbytes = src.numel() * src.element_size()
+        self._make_room(nbytes)
         out, wait = self.link.to_host_async(src)
+        if nbytes:
+            self._in_flight.append((wait, nbytes))
+            self._in_flight_bytes += nbytes
         if b.host is None:
             b.host = out.view(src.shape)
             b.waits.append(wait)
@@ -273,6 +296,16 @@ class GradStream:
                 verdicts.append(not bool(torch.isfinite(into).all()))
         b.jobs.append(self._adder_thread().submit(add_micro_batch,
                                                   "a streamed micro-batch's sum"))
+
+    def _make_room(self, nbytes: int) -> None:
+        """Back-pressure, before a copy of ``nbytes``: wait (bounded) for the oldest copies
+        until those possibly still in flight and this one hold at most :attr:`copy_bound`
+        bytes of device memory (a copy larger than the bound waits for every one before
+        it). A copy another reader already waited for is done: its wait returns at once."""
+        while self._in_flight and self._in_flight_bytes + nbytes > self.copy_bound:
+            wait, n = self._in_flight.popleft()
+            wait(self.config.host_timeout)
+            self._in_flight_bytes -= n
 
     def _adder_thread(self):
         """The thread that sums micro-batches on the host, apart from the host worker (whose
@@ -291,8 +324,10 @@ class GradStream:
         """The step's (group, param, grad) entries, in group order: ``collected`` (the
         ``.grad`` of every param that has one) and, for every param with a streamed gradient,
         a probe: a one-element tensor, NaN where a micro-batch held a NaN or inf, else 0
-        (what the NaN/inf check reads; :meth:`resolve` replaces it). Notes the live
-        gradient bytes."""
+        (what the NaN/inf check reads; :meth:`resolve` replaces it). With ``check_finite``,
+        a param of several micro-batches first waits here, on the training thread, for its
+        host sum (its copies, then the adder's addition): the sum's own verdict (it may
+        overflow) is part of the probe. Notes the live gradient bytes."""
         if self._bufs:
             have = {p: (group, p, g) for group, p, g in collected}
             out = []
@@ -300,8 +335,8 @@ class GradStream:
                 for p in group["params"]:
                     b = self._bufs.get(p)
                     if b is not None:
-                        if b.jobs:  # several micro-batches: the host sum's own verdict
-                            self._settle(b)
+                        if b.jobs and self.config.check_finite:  # the host sum's verdict
+                            self._settle(b)  # (the training thread waits: see the module)
                         bad = any(b.host_bad)
                         probe = (torch.full((1,), float("nan") if bad else 0.0,
                                             device=p.device) if b.bad is None or bad
@@ -313,20 +348,28 @@ class GradStream:
         self.note_step(collected)
         return collected
 
-    def checked(self, check: Callable[[], Any]) -> Any:
-        """``check()`` (the step's NaN/inf check, before any change); what the hooks left is
-        dropped when it raises NonFiniteGradientError: that step is skipped, its gradients
-        with it (as a framework's zero_grad would drop a ``.grad``)."""
+    def checked(self, check: Callable[[], Any], work=()) -> Any:
+        """``check()`` (the step's NaN/inf check, before any change). When it raises
+        NonFiniteGradientError while streaming, the step is skipped with its whole gradient,
+        as a framework's zero_grad would drop it: what the hooks left and the ``.grad`` of the
+        small params in ``work`` (set to None). The next backward and step then see only
+        their own gradients, with or without a ``zero_grad()`` in between, and not a mix of
+        two backward passes (the matrices' dropped, the small params' added up)."""
         try:
             return check()
         except FloatingPointError:
+            if self.active:
+                for _, p, _ in work:
+                    if p not in self._bufs:
+                        p.grad = None
             self.discard()
             raise
 
     def scores(self) -> dict[torch.Tensor, torch.Tensor]:
         """The column scores of the step's gradients, for its selection: the hooks' (one
         micro-batch), or those of the sum of several (scored from the host copy once the
-        host worker summed it: a score is not additive over micro-batches)."""
+        adder thread summed it, which this thread waits for: a score is not additive over
+        micro-batches)."""
         out = {}
         for p, b in self._bufs.items():
             if b.scores is None:

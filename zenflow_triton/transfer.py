@@ -103,6 +103,14 @@ class CudaStreams:
         """``t``'s memory is not reused before the work queued on ``stream`` is done."""
         t.record_stream(stream)
 
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` across the link without blocking the calling thread, on the
+        stream in use: done once an event recorded there after it is reached. Every
+        non-blocking device-to-host copy of this module goes through here, so a test can put
+        a link whose copies land later, on another thread, in its place
+        (``tests/support/async_link.py``)."""
+        dst.copy_(src, non_blocking=True)
+
 
 CUDA_STREAMS = CudaStreams()
 
@@ -176,7 +184,7 @@ class Link:
             out.copy_(src)
             return out, lambda timeout: None
         with self._down_stream(src.device) as stream:
-            out.copy_(src, non_blocking=True)
+            self.streams.copy_async(out, src)
             done = self.streams.record(stream)
         self.streams.keep_alive(src, stream)
 
@@ -309,7 +317,7 @@ class CopyIn:
         for dev, members in by_device.items():
             with link._down_stream(dev) as stream:
                 for dst, src, zero, divisor in members:
-                    dst.view(-1).copy_(self._wire(src, dst.dtype, divisor), non_blocking=True)
+                    link.streams.copy_async(dst.view(-1), self._wire(src, dst.dtype, divisor))
                     if zero:
                         src.zero_()
                     link.streams.keep_alive(src, stream)
