@@ -1,4 +1,4 @@
-"""Clipping by the global norm (``max_grad_norm``, ``zenflow_triton.clipping``).
+"""Clipping by the global norm (``max_grad_norm``, ``zenflow_triton.grads.clipping``).
 
 * One micro-batch per step: the optimizer's clipping equals ``torch.nn.utils.clip_grad_norm_``
   on ``.grad`` before an unclipped step, bit for bit, on a model with bf16 matrices and fp32
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zenflow_triton import ZenFlowOptimizer
-from zenflow_triton import clipping
+from zenflow_triton.grads import clipping
 
 CFG = dict(topk_ratio=0.25, update_interval=2, select_interval=4, accumulate_on="host",
            min_offload_numel=256)

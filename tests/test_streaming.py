@@ -24,7 +24,7 @@ import torch
 from zenflow_triton import ZenFlowOptimizer
 from zenflow_triton.config import ConfigError, ZenFlowConfig
 from zenflow_triton.guards.inputs import NonFiniteGradientError
-from zenflow_triton.stream import StreamingError, check_streamable
+from zenflow_triton.grads.stream import StreamingError, check_streamable
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint.methods import StateDictMethods
 from .checkpoint.state_dict import window_open, without_kernel_choices
-from .clipping import Clipper
+from .grads.clipping import Clipper
 from .columns.split import ColumnSplit
 from .columns.spread import Spread
 from .config import ZenFlowConfig, check_hyper
@@ -38,7 +38,7 @@ from .params import ParamIndex
 from .schedule import StepPlan, plan_step
 from .state import needs_setup, prepared, unselected
 from .stats import optimizer_stats
-from .stream import GradStream, check_streamable
+from .grads.stream import GradStream, check_streamable
 from .transfer import Link
 
 

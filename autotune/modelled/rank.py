@@ -13,7 +13,7 @@ from typing import Any, Callable
 from zenflow_triton.profiles import (Profile, load_profile, read_profile_file, save_profile,
                                      validate_name)
 
-from zenflow_triton.stream import topology_refusal
+from zenflow_triton.grads.stream import topology_refusal
 
 from .. import stepmodel as M
 from ..objective import TuneSettings

@@ -59,11 +59,11 @@ import numpy as np
 import torch
 
 from .clipping import scale as scale_tensors, tensor_norms
-from .columns.layout import shape2d, view2d
-from .grad_owner import claim, holds, release, take_over
-from .kernels import column_scores_ref, nonfinite_flags
-from .schedule import plan_step
-from .state import MATRIX
+from ..columns.layout import shape2d, view2d
+from .owner import claim, holds, release, take_over
+from ..kernels import column_scores_ref, nonfinite_flags
+from ..schedule import plan_step
+from ..state import MATRIX
 
 
 class StreamingError(ValueError):
@@ -155,7 +155,7 @@ class GradStream:
     # ------------------------------------------------------------------ setup
     def install(self, params, kind_of: Callable[[torch.Tensor], str]) -> None:
         """Every trainable matrix param of ``params`` taken over from another open streaming
-        optimizer (``grad_owner.take_over``, streaming or not), then, when streaming, a hook
+        optimizer (``owner.take_over``, streaming or not), then, when streaming, a hook
         on each (``check_streamable`` first)."""
         mats = [p for p in params if p.requires_grad and kind_of(p) == MATRIX]
         take_over(self, mats, self._name_of)
@@ -311,7 +311,7 @@ class GradStream:
         """The thread that sums micro-batches on the host, apart from the host worker (whose
         queue may hold a window's AdamW job: a sum must not wait behind it)."""
         if self._adder is None:
-            from .host.worker import HostWorker
+            from ..host.worker import HostWorker
             self._adder = HostWorker(self.config.host_timeout, name="zenflow-stream")
         return self._adder
 
