@@ -225,12 +225,13 @@ def roundtrip(sd):
     return torch.load(buf, weights_only=True)
 
 
-def test_a_checkpoint_carries_the_choice_and_resumes_bit_for_bit():
-    want, ref = run(concentrated=False)
-    ref.close()
+def saved_and_rebuilt(steps: int, **kw):
+    """A spread run saved (model and optimizer, through a file's round trip) after ``steps``
+    steps, and a new model and optimizer of the same settings that the state has not been
+    loaded into yet: ``(model2, opt2, saved, data)``."""
     model, data = model_and_data(False)
-    opt = ZenFlowOptimizer(model.named_parameters(), lr=1e-2, **CFG)
-    for x in data[:6]:
+    opt = ZenFlowOptimizer(model.named_parameters(), **CFG, **kw)
+    for x in data[:steps]:
         loss(model, x).backward()
         opt.step()
         opt.zero_grad()
@@ -238,7 +239,13 @@ def test_a_checkpoint_carries_the_choice_and_resumes_bit_for_bit():
     opt.close(finish=False)
     model2, _ = model_and_data(False, seed=5)
     model2.load_state_dict(saved["model"])
-    opt2 = ZenFlowOptimizer(model2.named_parameters(), lr=1e-2, **CFG)
+    return model2, ZenFlowOptimizer(model2.named_parameters(), **CFG, **kw), saved, data
+
+
+def test_a_checkpoint_carries_the_choice_and_resumes_bit_for_bit():
+    want, ref = run(concentrated=False)
+    ref.close()
+    model2, opt2, saved, data = saved_and_rebuilt(6, lr=1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no config-change warning: the same choice
         opt2.load_state_dict(saved["opt"])
@@ -365,17 +372,7 @@ def test_a_checkpoint_before_the_first_selection_measures_after_the_resume(warmu
     share = ref.stats()["spread"]["share"]
     ref.close()
     assert share is not None and share < SPREAD_SHARE
-    model, data = model_and_data(False)
-    opt = ZenFlowOptimizer(model.named_parameters(), lr=FAR, **CFG, warmup_steps=warmup)
-    for x in data[:warmup]:
-        loss(model, x).backward()
-        opt.step()
-        opt.zero_grad()
-    saved = roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
-    opt.close(finish=False)
-    model2, _ = model_and_data(False, seed=5)
-    model2.load_state_dict(saved["model"])
-    opt2 = ZenFlowOptimizer(model2.named_parameters(), lr=FAR, **CFG, warmup_steps=warmup)
+    model2, opt2, saved, data = saved_and_rebuilt(warmup, lr=FAR, warmup_steps=warmup)
     opt2.load_state_dict(saved["opt"])
     assert opt2.stats()["spread"]["share"] is None
     for x in data[warmup:]:

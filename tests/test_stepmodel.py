@@ -13,6 +13,7 @@ import torch
 from autotune import cli
 from tests.support.profiles import pin_profile
 from autotune import stepmodel as S
+from tests.support.stepmodel import toy_hardware
 from zenflow_triton import ZenFlowConfig
 from zenflow_triton import profiles as P
 from zenflow_triton.columns.selection import num_selected
@@ -23,12 +24,7 @@ def user_dir(tmp_path, monkeypatch):  # no user profile shadows a built-in here
     monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path / "profiles"))
 
 
-def hw(**kw) -> S.Hardware:
-    base = dict(name="test", device_flops=1e12, device_memory_bandwidth=1e11,
-                link_bandwidth=1e9, device_memory_bytes=None, host_adam_elements_per_s=1e9,
-                accelerators_per_node=8)
-    base.update(kw)
-    return S.Hardware(**base)
+hw = toy_hardware
 
 
 def one_layer(flops_per_token=6 * 2e6, tokens=100, small=1000) -> S.Workload:

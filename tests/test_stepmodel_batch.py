@@ -10,15 +10,11 @@ import pytest
 
 from autotune import cli
 from autotune import stepmodel as S
+from tests.support.stepmodel import toy_hardware
 from autotune.stepmodel.modes import zenflow_split
 
 
-def hw(**kw) -> S.Hardware:
-    base = dict(name="test", device_flops=1e12, device_memory_bandwidth=1e11,
-                link_bandwidth=1e9, device_memory_bytes=None, host_adam_elements_per_s=1e9,
-                accelerators_per_node=8)
-    base.update(kw)
-    return S.Hardware(**base)
+hw = toy_hardware
 
 
 def one_layer(tokens=120, micro=None, small=1000) -> S.Workload:
