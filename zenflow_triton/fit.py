@@ -69,6 +69,25 @@ class StreamingRequired(DoesNotFitError):
     """Only with the gradient streamed off the device (``stream_grads=True``) would it fit."""
 
 
+STREAMED_PARTS = ("streamed gradient (2 x the largest matrix)", "device columns' gradient",
+                  "column scores (at a selection)")
+
+
+def streamed_gradient_bytes(matrices: Iterable[tuple[float, int, int, int]]) -> dict[str, float]:
+    """The most device bytes the split matrices' gradients take when they stream
+    (``stream_grads``), by part (:data:`STREAMED_PARTS`), for ``(rows, cols, k, bytes per
+    element)`` of each matrix (``rows``: this rank's): a backward hook holds one matrix's
+    gradient and the gather of its host columns (twice the largest), every matrix keeps its
+    ``k`` device columns' gradient, and a selection its column scores (fp32, whole on every
+    rank). One formula for the fit check (:func:`device_bytes`) and the step model."""
+    largest = device = scores = 0.0
+    for rows, cols, k, itemsize in matrices:
+        largest = max(largest, rows * cols * itemsize)
+        device += rows * k * itemsize
+        scores += cols * 4 if 0 < k < cols else 0
+    return dict(zip(STREAMED_PARTS, (2 * largest, device, scores)))
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceBytes:
     params: int
@@ -99,7 +118,7 @@ def device_bytes(params: Iterable, config: ZenFlowConfig) -> DeviceBytes:
     param groups, as the optimizer takes them), their gradients (the params' dtype) and the
     optimizer's device-side state under ``config``."""
     par = grad = opt = 0
-    largest = 0.0
+    streamed = []
     for name, p in _named(params):
         if not p.requires_grad:
             continue
@@ -115,14 +134,14 @@ def device_bytes(params: Iterable, config: ZenFlowConfig) -> DeviceBytes:
             if config.accumulate_on == "device" and config.update_interval > 1:
                 itemsize = torch.empty(0, dtype=config.accumulator_torch_dtype).element_size()
                 mine += rows * (cols - k) * itemsize
-            if config.stream_grads:  # its device columns' buffer, its scores at a selection
-                kept = rows * k * p.element_size() + (cols * 4 if 0 < k < cols else 0)
-                largest = max(largest, size * share)
+            if config.stream_grads:  # counted below, with the hook's gradient
+                kept = 0
+                streamed.append((rows * share, cols, k, p.element_size()))
         else:
             mine = p.numel() * (8 + master)
         par, grad, opt = par + size * share, grad + kept * share, opt + mine * share
-    # streamed: a hook holds one gradient and the gather of its host columns at most
-    return DeviceBytes(int(par), int(grad + 2 * largest), int(opt))
+    grad += sum(streamed_gradient_bytes(streamed).values())
+    return DeviceBytes(int(par), int(grad), int(opt))
 
 
 def host_bytes(params: Iterable, config: ZenFlowConfig) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zenflow_triton.columns.selection import num_selected
+from zenflow_triton.fit import streamed_gradient_bytes
 
 from .inputs import (DEVICE_ADAMW_BYTES_PER_ELEMENT, DTYPE_BYTES, HOST_ADAM_BYTES_PER_ELEMENT,
                      INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, STATE_SWAP_CHUNK_ELEMENTS, Hardware)
@@ -136,12 +137,9 @@ def _gradients(mode: str, wl: Workload, c: Costs, cfg: Any) -> dict[str, float]:
     if offloads:
         out["gradient buckets (2 x the largest matrix)"] = 2 * largest_matrix(wl, cfg, ()) * b / d
         return out
-    e_dev = zenflow_split(wl, cfg)[0]
-    cols = sum(p.cols for p in wl.params if p.is_matrix(cfg.min_offload_numel, cfg.dense_params))
-    out["streamed gradient (2 x the largest matrix)"] = 2 * largest_matrix(wl, cfg) * b / d
-    out["device columns' gradient"] = e_dev * b / d
-    if 0 < cfg.topk_ratio < 1:
-        out["column scores (at a selection)"] = cols * 4.0
+    mats = [(p.shape[0] / d, p.cols, num_selected(p.cols, cfg.topk_ratio), b)
+            for p in wl.params if p.is_matrix(cfg.min_offload_numel, cfg.dense_params)]
+    out.update({k: v for k, v in streamed_gradient_bytes(mats).items() if v})
     return out
 
 
