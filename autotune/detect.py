@@ -108,6 +108,7 @@ _PATTERNS = [
     (r"A100", "a100-sxm4"),
     (r"L40S", "l40s-pcie4"),
     (r"4090", "rtx4090-pcie4"),
+    (r"3090", "rtx3090-pcie4"),
 ]
 
 

@@ -12,7 +12,7 @@ from zenflow_triton import ConfigError, ZenFlowConfig, ZenFlowOptimizer
 from zenflow_triton import profiles as P
 
 BUILTINS = ["a100-pcie4", "a100-sxm4", "h100-pcie5", "h100-sxm5", "h200-sxm", "gh200",
-            "l40s-pcie4", "rtx4090-pcie4", "cpu"]
+            "l40s-pcie4", "rtx4090-pcie4", "rtx3090-pcie4", "cpu"]
 HOST_LINK_GB_S = {"PCIe Gen4 x16": 64, "PCIe Gen5 x16": 128, "NVLink-C2C": 900}
 """Datasheet host-link bandwidth, both directions together: PCIe Gen4 x16 = 64 GB/s, Gen5 x16
 = 128 GB/s, NVLink-C2C (GH200's Grace-Hopper link) = 900 GB/s."""
