@@ -90,6 +90,24 @@ assert all(float(s) == 24 for s in steps), steps  # 8 + 8 + 8: the count went bo
 assert all(torch.isfinite(p).all() for p in model.parameters())
 """
 
+# docs/howto-24gb.md, "Cut the loss's memory": a tiny Llama and one batch, the loss checked
+# against HF's own to the fp32 rounding bound of tests/test_loss.py.
+PRELUDES["chunked-loss"] = PRELUDES["chunked-loss-torch"] = """
+import torch
+from tests.test_loss import batch as _batch, loss_rounding, tiny_llama
+
+model = tiny_llama()
+ids, labels = _batch(1)
+mask = torch.ones_like(ids)
+mask[1, -3:] = 0
+labels[1, -3:] = -100
+batch = dict(input_ids=ids, labels=labels, attention_mask=mask)
+"""
+CHECKS["chunked-loss"] = CHECKS["chunked-loss-torch"] = """
+hf = model(**batch).loss.detach()
+assert abs(loss.item() - hf.item()) <= loss_rounding(model, ids, hf), (loss.item(), hf.item())
+"""
+
 # The pages snippets may live on: the README and every page under docs/.
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -139,3 +157,11 @@ def test_readme_usage_example_runs(tmp_path):
 def test_switching_from_adamw_and_back_runs(tmp_path):
     assert "<!-- snippet: switch -->" in (ROOT / "docs" / "howto-switch.md").read_text()
     run_snippet("switch", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["chunked-loss", "chunked-loss-torch"])
+def test_the_chunked_loss_snippets_give_hfs_loss(name, tmp_path):
+    if not hasattr(__import__("torch").nn, "LinearCrossEntropyOptions"):
+        pytest.skip("torch < 2.13: no chunked linear_cross_entropy")
+    assert f"<!-- snippet: {name} -->" in (ROOT / "docs" / "howto-24gb.md").read_text()
+    run_snippet(name, tmp_path)

@@ -203,3 +203,90 @@ def test_the_zero3_offload_runs_are_each_checked_against_the_model():
         model = float(row.split("|")[3])
         err = row.split("|")[4].strip()
         assert err == f"{model / published - 1:+.0%}"
+
+
+# ---- the loss's memory: the fp32 logits or a chunked cross-entropy ------------------------------
+def lm(tokens=1024, dtype="bfloat16", loss="logits") -> S.Workload:
+    """A small LM by hand: an 8192 x 64 embedding, one block (q 64 x 64, up 256 x 64), an
+    untied 8192 x 64 head."""
+    layers = (S.Layer("embed_tokens", (S.ParamSpec("embed_tokens.weight", (8192, 64)),), 0.0),
+              S.Layer("layers.0", (S.ParamSpec("layers.0.q.weight", (64, 64)),
+                                   S.ParamSpec("layers.0.up.weight", (256, 64))), 6.0 * 20480),
+              S.Layer("lm_head", (S.ParamSpec("lm_head.weight", (8192, 64)),), 6.0 * 524288))
+    return S.Workload("lm", layers, tokens=tokens, dtype=dtype, mfu=0.5, loss=loss)
+
+
+def test_the_loss_counts_the_fp32_logits_or_one_chunk_of_them():
+    """logits: tokens x vocab x 4. chunked: torch's chunk for bf16 on CUDA, tokens over
+    ceil(vocab / hidden), to a power of two, halved (1024 / 128 = 8 -> 4 rows), its logits in
+    fp32 and bf16 (6 B), and the head input's gradient (tokens x hidden x 2)."""
+    from autotune.stepmodel.activations import loss_chunk_tokens
+    assert S.activation_bytes(lm())["logits (fp32)"] == 1024 * 8192 * 4
+    assert loss_chunk_tokens(1024, 64, 8192) == 4
+    chunked = S.activation_bytes(lm(loss="chunked"))
+    assert "logits (fp32)" not in chunked
+    assert chunked["logits (chunked cross-entropy)"] == 4 * 8192 * 6 + 1024 * 64 * 2
+    fp32 = S.activation_bytes(lm(dtype="float32", loss="chunked"))
+    assert fp32["logits (chunked cross-entropy)"] == 4 * 8192 * 4 + 1024 * 64 * 4
+    # Llama-3-8B at 4096 tokens: 2.1 GB of fp32 logits; 64-row chunks, 83 MB
+    wl = S.Workload.from_preset("llama3-8b", tokens=4096)
+    assert S.activation_bytes(wl)["logits (fp32)"] == 4096 * 128256 * 4 == 2_101_346_304
+    assert loss_chunk_tokens(4096, 4096, 128256) == 64
+    assert S.activation_bytes(wl.replace(loss="chunked"))["logits (chunked cross-entropy)"] \
+        == 64 * 128256 * 6 + 4096 * 4096 * 2 == 82_804_736
+    # the rest of the activations do not depend on the loss
+    assert {k: v for k, v in chunked.items() if not k.startswith("logits")} == \
+        {k: v for k, v in S.activation_bytes(lm()).items() if not k.startswith("logits")}
+    with pytest.raises(S.StepModelError, match="loss must be one of"):
+        lm(loss="fused")
+
+
+def test_a_chunked_loss_lets_a_larger_micro_batch_fit():
+    """Where the fp32 logits of 1024 tokens are what does not fit, the chunked loss fits
+    the whole step in one micro-batch; the device memory differs by the loss's bytes alone."""
+    h = hw(device_memory_bytes=None)
+    whole = {loss: S.predict(h, lm(loss=loss).replace(micro_batch_tokens=1024), "adamw")
+             for loss in S.LOSSES}
+    gap = 1024 * 8192 * 4 - (4 * 8192 * 6 + 1024 * 64 * 2)
+    assert (whole["logits"].device_memory_bytes - whole["chunked"].device_memory_bytes
+            == pytest.approx(gap))
+    # a card whose usable memory lies halfway between the two
+    card = (whole["chunked"].device_memory_bytes + gap / 2) / (1 - S.DEVICE_HEADROOM)
+    h = hw(device_memory_bytes=card)
+    logits = S.predict_fitting(h, lm(), "adamw")
+    chunked = S.predict_fitting(h, lm(loss="chunked"), "adamw")
+    assert logits.fits and logits.micro_batch_tokens < 1024
+    assert chunked.fits and (chunked.micro_batches, chunked.micro_batch_tokens) == (1, 1024)
+    curve = S.batch_curve(h, lm(loss="chunked"), tokens=(1024,), peers=("adamw",))
+    assert curve[0].peer_prediction.micro_batch_tokens == 1024   # the curve keeps the loss
+
+
+def test_predict_says_which_loss_it_counts_and_chunked_fits_more(capsys):
+    """Llama-3-8B on a 24 GB card at 4096 tokens: ZeRO-Offload needs two micro-batches of
+    2048 with the fp32 logits, one of 4096 with a chunked loss."""
+    argv = ["predict", "--profile", "rtx4090-pcie4", "--model", "llama3-8b", "--tokens",
+            "4096", "--host-memory-gb", "128", "--topk-ratio", "0.01", "--update-interval",
+            "4", "--no-curve"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "the loss's fp32 logits, --loss logits" in text
+    assert "zero-offload 2 x 2048" in text
+    assert cli.main(argv + ["--loss", "chunked"]) == 0
+    text = capsys.readouterr().out
+    assert "chunked cross-entropy" in text and "--loss chunked" in text
+    assert "zero-offload 1 x 4096" in text
+    assert cli.main(argv + ["--loss", "fused"]) == cli.EXIT_USAGE
+
+
+def test_the_modelled_tuner_records_the_loss_it_assumed(capsys, tmp_path, monkeypatch):
+    from zenflow_triton import profiles as P
+    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path))
+    argv = ["run", "--objective", "modelled", "--quality", "real", "--profile", "a100-pcie4",
+            "--model", "opt-350m"]
+    assert cli.main(argv + ["--save-as", "chunked-loss", "--loss", "chunked"]) == 0
+    assert "the loss's chunked cross-entropy" in capsys.readouterr().out
+    assert P.load_profile("chunked-loss").provenance["objective"]["loss"] == "chunked"
+    assert cli.main(argv + ["--save-as", "logits-loss"]) == 0
+    assert P.load_profile("logits-loss").provenance["objective"]["loss"] == "logits"
+    assert cli.main(["run", "--loss", "chunked", "--no-profile"]) == cli.EXIT_USAGE
+    assert "--loss: only with --objective modelled" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 from ..defaults import DEFAULT_LOSS_MARGIN, DEFAULT_LR
 from ..names import code_key  # noqa: F401  (part of a default study name; tests use it here)
+from ..stepmodel.inputs import LOSSES
 from ..stepmodel.workload import PRESETS as PRESET_NAMES
 
 EXIT_OK, EXIT_USAGE, EXIT_RUNTIME, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -165,6 +166,8 @@ def _add_objective_options(r: argparse.ArgumentParser) -> None:
                         "(default: each setting's largest that fits, at most 4096)")
     r.add_argument("--mfu", type=float, default=None,
                    help="modelled objective: model FLOP utilisation (default 0.4)")
+    r.add_argument("--loss", choices=LOSSES, default=None,
+                   help="modelled objective: " + LOSS_HELP)
     r.add_argument("--save-as", dest="save_as",
                    help="name of the profile to save (modelled default: <profile>-<model>; "
                         "measured: the same as --profile)")
@@ -241,6 +244,11 @@ def _add_inspect_parsers(sub: Any) -> None:
     pl.add_argument("--out", help="output directory (default: <data dir>/plots/<study>)")
 
 
+LOSS_HELP = ("how the training loop computes the loss, for the activation memory: logits "
+             "(default): the fp32 logits of the micro-batch, as an HF causal LM's forward "
+             "computes them (tokens x vocab x 4 bytes); chunked: a chunked cross-entropy "
+             "(zenflow_triton.causal_lm_loss, or torch's F.linear_cross_entropy with options) "
+             "that holds one chunk of logits at a time (docs/howto-24gb.md)")
 HOST_MEMORY_HELP = ("the host's memory in GB, shared by the node's GPU processes: a fit "
                     "must leave 10%% of it free (default: unknown, not checked; "
                     "'zenflow-tune detect' shows this machine's)")

@@ -13,6 +13,12 @@ from .. import stepmodel as M
 from . import EXIT_OK, UsageError
 
 
+LOSS_WORDS = {"logits": "the loss's fp32 logits, --loss logits",
+              "chunked": "the loss as a chunked cross-entropy, one chunk of logits at a time, "
+                         "--loss chunked"}
+"""What the header says of the loss the activations count (``Workload.loss``)."""
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], got {args.mfu}")
@@ -28,7 +34,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     hw = M.Hardware.from_profile(prof, host_adam_elements_per_s=measured)
     wl = M.Workload.from_spec(args.model, tokens=args.tokens or M.DEFAULT_TOKENS,
                               mfu=args.mfu if args.mfu is not None else M.DEFAULT_MFU)
-    wl = wl.replace(recompute=not args.no_recompute)
+    wl = wl.replace(recompute=not args.no_recompute, loss=args.loss)
     if args.micro_batch_tokens is not None:
         if args.micro_batch_tokens > wl.tokens:
             raise UsageError(f"--micro-batch-tokens {args.micro_batch_tokens} exceeds --tokens "
@@ -87,8 +93,8 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
           f"accumulate_on={cfg.accumulate_on!r}, "
           f"stream_grads={cfg.stream_grads}, dense_params={cfg.dense_params!r}. Device "
           f"memory counts the activations of one micro-batch "
-          f"({'full recompute' if wl.recompute else 'no recompute'}, fp32 logits) and a fit "
-          f"leaves {M.DEVICE_HEADROOM:.0%} free; docs/stepmodel.md has the formulas.")
+          f"({'full recompute' if wl.recompute else 'no recompute'}; {LOSS_WORDS[wl.loss]}) "
+          f"and a fit leaves {M.DEVICE_HEADROOM:.0%} free; docs/stepmodel.md has the formulas.")
     how = ("as given" if wl.micro_batch_tokens else
            f"each mode's largest that fits, at most {M.MICRO_BATCH_CAP}")
     print("Micro-batches (passes x tokens; " + how + "): " + ", ".join(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import HOST_MEMORY_HELP, MEMORY_HELP, MODEL_HELP, PROFILE_HELP, _pos_int
+from . import HOST_MEMORY_HELP, LOSS_HELP, LOSSES, MEMORY_HELP, MODEL_HELP, PROFILE_HELP, _pos_int
 
 
 def add_predict_parser(sub: Any) -> None:
@@ -41,6 +41,7 @@ def add_predict_parser(sub: Any) -> None:
     pr.add_argument("--no-recompute", action="store_true",
                     help="count the activations of a step without activation recompute "
                          "(default: full recompute, as a 7-8B fine-tune on one card runs)")
+    pr.add_argument("--loss", choices=LOSSES, default="logits", help=LOSS_HELP)
     _add_predict_settings(pr)
 
 

@@ -27,6 +27,8 @@ from .. import stepmodel as M
 from ..stepmodel import DEFAULT_TOKENS, PRESETS
 from . import EXIT_OK, EXIT_RUNTIME, FULL, QUICK, UsageError, load_workload, storage_url
 
+LOSS_NAMES = {"logits": "fp32 logits", "chunked": "chunked cross-entropy"}
+"""How the modelled objective's opening line names the loss it counts (``--loss``)."""
 MEASURED_ONLY = ("quick", "n_trials", "timeout", "max_host_threads")
 """``run`` options that mean nothing to the modelled objective (its grid is fixed)."""
 
@@ -89,6 +91,7 @@ def _check_measured_options(args: argparse.Namespace) -> None:
     modelled_only = [o for o, v in (("--model", args.model), ("--gpus", args.gpus != 1),
                                     ("--tokens", args.tokens), ("--mfu", args.mfu),
                                     ("--micro-batch-tokens", args.micro_batch_tokens),
+                                    ("--loss", args.loss),
                                     ("--topk-grid", args.topk_grid),
                                     ("--interval-grid", args.interval_grid),
                                     ("--lean", args.lean != "auto"),
@@ -286,11 +289,13 @@ def run_modelled(args: argparse.Namespace) -> int:
                          f"{tokens} (the tokens of a whole optimizer step)")
     micro = (f"micro-batches of {args.micro_batch_tokens}" if args.micro_batch_tokens else
              "each setting in its largest micro-batches that fit")
+    loss = args.loss or "logits"
     where = (f"{args.model} on {prof.name!r} ({args.gpus} GPU(s), {args.sharding}, "
-             f"{tokens} tokens/GPU/step, {micro}), speed from the step model")
+             f"{tokens} tokens/GPU/step, {micro}, the loss's {LOSS_NAMES[loss]}), speed from "
+             "the step model")
     common = dict(profile=prof, model=args.model, gpus=args.gpus, tokens=args.tokens,
                   mfu=args.mfu, save_as=save_as, log=say, lean=lean, sharding=args.sharding,
-                  micro_batch_tokens=args.micro_batch_tokens)
+                  micro_batch_tokens=args.micro_batch_tokens, loss=loss)
     if quality_source(args) == "real":
         _, grid = _quality_settings(args)  # (the grid options checked as for a workload)
         given = any(getattr(args, k) for k in ("topk_grid", "interval_grid", "delay_grid",

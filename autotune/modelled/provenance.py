@@ -52,6 +52,7 @@ def modelled_provenance(out: ModelledOutcome) -> dict[str, Any]:
             "step_time_s": p.modelled_step_time_s,
             "micro_batch_tokens": p.micro_batch_tokens,
             "micro_batches": p.micro_batches,
+            "loss": wl.loss,
             "stall_fraction": p.stall_fraction,
             "host_busy_fraction": p.host_busy_fraction,
             "device_memory_gb": round(p.device_memory_bytes / 1e9, 2),

@@ -65,10 +65,12 @@ def load_hardware(profile: str | Profile, host_adam_elements_per_s: float | None
 
 
 def _workload(model: str | M.Workload, tokens: int | None, mfu: float | None,
-              micro_batch_tokens: int | None = None) -> M.Workload:
+              micro_batch_tokens: int | None = None, loss: str | None = None) -> M.Workload:
     try:
         wl = model if isinstance(model, M.Workload) else M.Workload.from_spec(
             model, tokens=tokens or M.DEFAULT_TOKENS, mfu=M.DEFAULT_MFU if mfu is None else mfu)
+        if loss is not None:
+            wl = wl.replace(loss=loss)
         return wl if micro_batch_tokens is None else wl.replace(
             micro_batch_tokens=micro_batch_tokens)
     except M.StepModelError as e:
@@ -118,16 +120,19 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
                  profile_dir: str | Path | None = None,
                  host_adam_elements_per_s: float | None = None, lean: bool | None = None,
                  quality: str = "workload", bar: str = DEFAULT_BAR, sharding: str = "ddp",
-                 micro_batch_tokens: int | None = None,
+                 micro_batch_tokens: int | None = None, loss: str | None = None,
                  log: Callable[[str], None] = print, **grid_kw: Any) -> ModelledOutcome:
     """Quality from the (shared, resumable) quality study (``quality="workload"``) or from the
     real-model store (``quality="real"``: nothing trained, judged by ``bar``;
     :func:`real_quality_store`), speed from the step model of ``model`` on ``profile``'s
     hardware (``gpus`` under ``sharding``: "ddp" or "fsdp2") at ``tokens`` per optimizer step,
     in micro-batches of ``micro_batch_tokens`` (None: each setting's largest that fits, at
-    most 4096); of the feasible points that fit, the fastest, or within
-    :data:`SPEED_TOLERANCE` of it the shortest window (:func:`quality_first`). Saves it as profile ``save_as`` (when given) in ``profile_dir`` (default: the user
-    profile dir). ``lean``: search each point's :data:`LEAN_POINT` variant too (True), never
+    most 4096), its activations counting the loss as ``loss`` computes it (``"logits"`` or
+    ``"chunked"``, :data:`~autotune.stepmodel.LOSSES`; None: the workload's own, ``"logits"``
+    unless a Workload given as ``model`` says otherwise); of the feasible points that fit,
+    the fastest, or within :data:`SPEED_TOLERANCE` of it the shortest window
+    (:func:`quality_first`). Saves it as profile ``save_as`` (when given) in ``profile_dir``
+    (default: the user profile dir). ``lean``: search each point's :data:`LEAN_POINT` variant too (True), never
     (False), or (None) where no plain point fits: then only the lean points that fit are
     trained (the real-model store holds the lean settings it measured as points of their own).
 
@@ -136,7 +141,7 @@ def run_modelled(*, profile: str | Profile, model: str | M.Workload, gpus: int =
     without accelerator facts (``cpu``) :class:`ModelledError`."""
     _check_inputs(gpus, mfu, quality, sharding)
     prof, hw = load_hardware(profile, host_adam_elements_per_s)
-    wl = _workload(model, tokens, mfu, micro_batch_tokens)
+    wl = _workload(model, tokens, mfu, micro_batch_tokens, loss)
     if save_as is not None:
         validate_name(save_as)
     where = dict(gpus=gpus, sharding=sharding)

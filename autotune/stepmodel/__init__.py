@@ -62,7 +62,7 @@ from .inputs import (DEFAULT_ACCELERATORS_PER_NODE, DEFAULT_HOST_ADAM_ELEMENTS_P
                      DEFAULT_HOST_CORES_PER_ACCELERATOR, DEFAULT_MFU, DEFAULT_SEQ_LEN,
                      DEFAULT_TOKENS, DEVICE_ADAMW_BYTES_PER_ELEMENT, DEVICE_HEADROOM,
                      HOST_ADAM_BYTES_PER_ELEMENT, HOST_MEMORY_EFFICIENCY, INDEX_BYTES, LANES,
-                     MODES, SCRATCH_BYTES_PER_THREAD, SHARDINGS, Hardware, StepModelError,
+                     LOSSES, MODES, SCRATCH_BYTES_PER_THREAD, SHARDINGS, Hardware, StepModelError,
                      zenflow_config)
 from .workload import PRESETS, Layer, ParamSpec, Workload
 from .timeline import Prediction, Segment
@@ -78,7 +78,8 @@ from .batch import (CURVE_TOKENS, MICRO_BATCH_CAP, BatchPoint, batch_curve, curv
                     predict_fitting, verdict)
 
 __all__ = [
-    "MODES", "SHARDINGS", "LANES", "PRESETS", "StepModelError", "Hardware", "ParamSpec", "Layer",
+    "MODES", "SHARDINGS", "LANES", "LOSSES", "PRESETS", "StepModelError", "Hardware",
+    "ParamSpec", "Layer",
     "Workload", "Segment", "Prediction", "predict", "predict_all", "host_update_seconds",
     "fitting_zenflow", "lean_changes", "resident_that_fits", "params_and_grads_bytes", "LEAN_CHOICES",
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",

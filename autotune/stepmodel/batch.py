@@ -52,7 +52,9 @@ def micro_batch_choices(tokens: int) -> list[int]:
 def predict_fitting(hw: Hardware, wl: Workload, mode: str, **kw: Any) -> Prediction:
     """:func:`~.step.predict` at the workload's micro-batch if it names one, else at the
     largest of :func:`micro_batch_choices` that fits the device and host (the smallest's
-    prediction, not fitting, when none does). The prediction's ``micro_batch_tokens`` and
+    prediction, not fitting, when none does), each counting the activations with the
+    workload's ``loss`` (``"chunked"``: one chunk of logits, so a larger micro-batch may fit
+    than with the fp32 ``"logits"``). The prediction's ``micro_batch_tokens`` and
     ``micro_batches`` say which."""
     if wl.micro_batch_tokens is not None:
         return predict(hw, wl, mode, **kw)

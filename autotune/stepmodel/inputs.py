@@ -28,6 +28,11 @@ SHARDINGS = ("ddp", "fsdp2")
 offloaded rows and ``adamw``'s state sharded 1/N) or ``fsdp2`` (``fully_shard``: params,
 gradients and every optimizer state sharded 1/N by rows)."""
 LANES = ("device", "link-down", "link-up", "host")
+LOSSES = ("logits", "chunked")
+"""How the loss is computed, for the activation memory it needs: ``logits`` (the fp32 logits
+of every token, as an HF causal LM's forward computes them) or ``chunked`` (a chunked
+cross-entropy that never holds them whole: torch's ``F.linear_cross_entropy`` with
+``options``, ``zenflow_triton.loss.causal_lm_loss``); ``activations.activation_bytes``."""
 
 
 # ---- constants (docs/stepmodel.md, "Constants") --------------------------------------------

@@ -7,7 +7,7 @@
 * :data:`PRESETS`: the named architectures, each from its published config, and how one
   is built into layers;
 * :class:`Workload`: what one GPU trains per optimizer step (layers, tokens, micro-batch,
-  dtype, MFU).
+  dtype, MFU, how the loss is computed).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 from zenflow_triton.config import matches_any
 
-from .inputs import DEFAULT_MFU, DEFAULT_SEQ_LEN, DEFAULT_TOKENS, DTYPE_BYTES, StepModelError
+from .inputs import (DEFAULT_MFU, DEFAULT_SEQ_LEN, DEFAULT_TOKENS, DTYPE_BYTES, LOSSES,
+                     StepModelError)
 
 
 # ---- shapes: params and layers -----------------------------------------------------------
@@ -194,6 +195,10 @@ class Workload:
     """Full activation recompute (checkpointing): what the activation memory assumes
     (``activations.activation_bytes``)."""
     micro_batch_tokens: int | None = None
+    loss: str = "logits"
+    """How the loss is computed (:data:`~.inputs.LOSSES`): ``logits``, the fp32 logits of the
+    micro-batch as an HF causal LM computes them, or ``chunked``, a chunked cross-entropy;
+    the activation memory counts its bytes (``activations.activation_bytes``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
@@ -207,6 +212,8 @@ class Workload:
             raise StepModelError(f"mfu must be in (0, 1], got {self.mfu!r}")
         if self.dtype not in DTYPE_BYTES:
             raise StepModelError(f"dtype must be one of {list(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.loss not in LOSSES:
+            raise StepModelError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
 
     @property
     def micro_tokens(self) -> int:
