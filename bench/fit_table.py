@@ -10,6 +10,7 @@ mode that fits (ZeRO-Offload and its variants, state-swap, AdamW), or why nothin
     python bench/fit_table.py                     # the README's table (compact, minutes)
     python bench/fit_table.py --full              # one row per batch, memory and quality
     python bench/fit_table.py --cards desktop     # only the 24 GB desktops
+    python bench/fit_table.py --loss logits       # with the fp32 logits an HF model makes
 
 Speed is the step model's (a prediction: docs/stepmodel.md), quality the convergence study's
 (bench/convergence/), nothing measured on these cards.
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=list(BATCHES),
                     help="tokens per GPU per optimizer step (default: 4096 65536)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), metavar="PRESET")
+    ap.add_argument("--loss", choices=("chunked", "logits"), default="chunked",
+                    help="the loss's memory, for every mode alike (default chunked: "
+                         "zenflow_triton.causal_lm_loss, docs/howto-24gb.md)")
     ap.add_argument("--full", action="store_true",
                     help="one row per batch: micro-batches, memory, quality per workload")
     args = ap.parse_args(argv)
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print("| --- | --- | --- |" + " --- |" * len(args.tokens))
     for model in args.models:
         for card, profile, device_gb, host_gb in cards:
-            outs = [outcome(profile, device_gb, host_gb, model, t, args.quality_bar)
+            outs = [outcome(profile, device_gb, host_gb, model, t, args.quality_bar,
+                            loss=args.loss)
                     for t in args.tokens]
             if args.full:
                 for t, out in zip(args.tokens, outs):
