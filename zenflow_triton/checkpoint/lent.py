@@ -57,7 +57,9 @@ class Lent:
         held = {ptr for ref, ptr in self._refs if ref() is not None}
         self._refs = []
         copied = 0
-        for st in (held and state.values()) or ():
+        if not held:  # every state dict handed out was dropped (saved): nothing to copy
+            return copied
+        for st in state.values():
             if not isinstance(st, dict):
                 continue
             for key, value in list(st.items()):
