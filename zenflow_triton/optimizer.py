@@ -172,7 +172,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         the optimizer failed (:class:`OptimizerFailedError`)."""
         self._check_open()
         self._guard.check()
-        self._prepared = None
+        self._own_state()  # a state dict still held keeps its values (checkpoint.lent)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -329,6 +329,7 @@ class ZenFlowOptimizer(HostThreads, StateDictMethods, torch.optim.Optimizer):
         call of a loop (:meth:`close` makes it); training may go on after it."""
         self.synchronize()  # the job in flight and pending results first
         if any(map(window_open, self.state.values())):
+            self._own_state()
             with self._guard.whole_step(lambda: self._global_step):  # all or nothing
                 with launched_at(self.param_groups, self._last_hyper):  # its last step's
                     self._launch({}, True, False,

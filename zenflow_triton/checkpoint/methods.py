@@ -11,6 +11,7 @@ from typing import Any
 
 from ..dist.fsdp import local_view, refuse
 from ..columns.spread import NOT_SAVED
+from .lent import lent_of
 from .state_dict import (SD_VERSION, adamw_state_dict, build, config_change, read,
                          refuse_open_windows)
 
@@ -70,7 +71,15 @@ class StateDictMethods:
             result = hook(self, sd)
             if result is not None:
                 sd = result
+        lent_of(self).lend(sd, self.state)  # kept as of now while held (checkpoint.lent)
         return sd
+
+    def _own_state(self) -> None:
+        """Before the optimizer writes its state again (a step, ``finish()``'s launch): the
+        prepared state dict dropped, and the tensors a state dict still held shares copied
+        (``checkpoint.lent``), so what :meth:`state_dict` handed out keeps its call's values."""
+        self._prepared = None
+        lent_of(self).reclaim(self.state)
 
     def to_adamw_state_dict(self) -> dict[str, Any]:
         """This state as ``torch.optim.AdamW.load_state_dict`` takes it (same groups): one
@@ -112,7 +121,8 @@ class StateDictMethods:
         for g, saved in zip(self.param_groups, loaded.groups):
             g.update(saved)
         self.state.clear()
-        self.state.update(loaded.state)
+        self.state.update(loaded.state)  # copies: nothing shared with ``state_dict``'s owner
+        lent_of(self).forget()
         self._dev.forget()
         self._finite.discard()  # unread checks of the state being replaced
         self._prepared = None
