@@ -317,3 +317,29 @@ def test_host_bytes_count_the_window_accumulator_where_the_host_sums(acc_dtype, 
     for no_sum in (on_host.replace(accumulate_on="device"), on_host.replace(update_interval=1)):
         assert F.host_bytes(model.named_parameters(), no_sum) == (
             host * (4 + 8 + 2) + index + scratch)
+
+
+def test_the_host_check_names_the_leaner_host_settings_with_their_bytes(monkeypatch):
+    """Where the host state does not fit, the error gives each leaner host setting's bytes
+    (bf16 moments, a bf16 window sum, both, the sum on the device) and which of them fit."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False),
+                                torch.nn.Linear(1024, 1024, bias=False)).to(torch.bfloat16)
+    kw = dict(topk_ratio=0.1, update_interval=4, accumulate_on="host",
+              min_offload_numel=1000, host_threads=1)
+    cfg = ZenFlowConfig(**kw)
+    named = list(model.named_parameters())
+    need = F.host_bytes(named, cfg)
+    both = F.host_bytes(named, cfg.replace(host_state_dtype="bfloat16",
+                                           accumulator_dtype="bfloat16"))
+    moments = F.host_bytes(named, cfg.replace(host_state_dtype="bfloat16"))
+    assert both < moments < need
+    _capacity(monkeypatch, 10**12)
+    monkeypatch.setattr(F, "host_capacity_bytes", lambda: int((both + moments) / 2 / 0.9))
+    with pytest.raises(DoesNotFitError) as ei:
+        ZenFlowOptimizer(named, lr=1e-3, **kw).close()
+    text = str(ei.value)
+    assert f"host_state_dtype='bfloat16': {F._gb(moments)};" in text
+    assert (f"host_state_dtype='bfloat16', accumulator_dtype='bfloat16': {F._gb(both)} (fits)"
+            in text)
+    device = F.host_bytes(named, cfg.replace(accumulate_on="device"))
+    assert f"accumulate_on='device': {F._gb(device)}" in text

@@ -779,3 +779,23 @@ def test_fastlink_table_reproduces_what_a_fast_link_changes():
     assert zero[("450", "7.2")] < zero[("64", "7.2")] < zero[("32", "7.2")]
     vs_dpu = {(r[0], r[1]): float(r[7].rstrip("x")) for r in rows}
     assert vs_dpu[("32", "7.2")] > 1.0 > vs_dpu[("450", "28.8")]
+
+
+def test_a_zenflow_prediction_over_the_host_names_the_leaner_host_settings():
+    """Llama-3-8B on a 128 GB desktop: the note gives each leaner host setting's host GB
+    (as its own prediction counts it) and says which fit."""
+    base = S.Hardware.from_profile("rtx4090-pcie4")
+    h = S.Hardware(**{**base.__dict__, "host_memory_bytes": 128e9})
+    wl = S.Workload.from_preset("llama3-8b", tokens=2048)
+    cfg = dict(topk_ratio=0.01, update_interval=4, dense_params=(), stream_grads=True)
+    p = S.predict(h, wl, "zenflow", **cfg)
+    assert p.host_memory_bytes > h.usable_host_bytes
+    note = next(n for n in p.notes if n.startswith("leaner host settings: "))
+    for changes in (dict(host_state_dtype="bfloat16"), dict(accumulator_dtype="bfloat16"),
+                    dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16")):
+        q = S.predict(h, wl, "zenflow", **cfg, **changes)
+        named = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+        fits = " (fits)" if q.host_memory_bytes <= h.usable_host_bytes else ""
+        assert f"{named}: {q.host_memory_bytes / 1e9:.1f} GB{fits}" in note, (named, note)
+    assert "accumulate_on" not in note  # streaming sums on the host
+    assert "(fits)" in note

@@ -411,6 +411,37 @@ def check(params: list, config: ZenFlowConfig, fit: str = "check") -> dict:
                           "columns)")
 
 
+HOST_LEANER = (dict(host_state_dtype="bfloat16"), dict(accumulator_dtype="bfloat16"),
+               dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16"),
+               dict(accumulate_on="device"))
+"""The settings that take host memory off the host state, leanest last: the moments in bf16,
+the window sum in bf16, both, and the window summed on the device (where the device has room
+for it; not with ``stream_grads``, which sums on the host)."""
+
+
+def leaner_host_settings(config: ZenFlowConfig) -> list[tuple[dict, ZenFlowConfig]]:
+    """Each of :data:`HOST_LEANER` that changes ``config`` (and that it allows), with the
+    config it gives."""
+    out = []
+    for changes in HOST_LEANER:
+        if all(getattr(config, k) == v for k, v in changes.items()):
+            continue
+        if "accumulate_on" in changes and config.stream_grads:
+            continue
+        out.append((changes, config.replace(**changes)))
+    return out
+
+
+def describe_leaner(options: list[tuple[dict, float]], has: float) -> str:
+    """``options`` (changes, bytes they need) as a clause: each with its GB, whether it fits
+    ``has`` bytes."""
+    parts = []
+    for changes, need in options:
+        named = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+        parts.append(f"{named}: {_gb(need)}" + (" (fits)" if need <= has else ""))
+    return "; ".join(parts)
+
+
 def check_host(params: list, config: ZenFlowConfig) -> None:
     """DoesNotFitError where the optimizer's host state (:func:`host_bytes`) of every rank on
     this machine (:func:`ranks_on_host`) exceeds what it has available, less
@@ -420,15 +451,19 @@ def check_host(params: list, config: ZenFlowConfig) -> None:
         return
     ranks, whence = ranks_on_host(params)
     need = host_bytes(params, config) * ranks
-    if need > has * (1 - HOST_HEADROOM):
+    room = has * (1 - HOST_HEADROOM)
+    if need > room:
         who = "" if ranks == 1 else f" ({whence}, {_gb(need / ranks)} each)"
+        leaner = describe_leaner([(changes, host_bytes(params, lean) * ranks)
+                                  for changes, lean in leaner_host_settings(config)], room)
         raise DoesNotFitError(
             f"these settings need {_gb(need)} of host memory for the host-owned "
-            f"columns{who} (fp32 master, moments, accumulator, outbox); this machine has "
-            f"{_gb(has)} "
-            f"available ({HOST_HEADROOM:.0%} kept free): host_state_dtype='bfloat16' and "
-            "accumulator_dtype='bfloat16' halve the moments and the sum, a higher "
-            "topk_ratio keeps more columns on the device; fit='skip' to go on anyway")
+            f"columns{who} (fp32 master, moments, accumulator, outbox, staging, indices, "
+            f"scratch, streamed gradients: fit.host_terms); this machine has {_gb(has)} "
+            f"available ({HOST_HEADROOM:.0%} kept free). Leaner host settings: "
+            f"{leaner or 'none left'} (their measured quality: docs/memory.md); a higher "
+            "topk_ratio keeps more columns on the device; "
+            "fit='skip' to go on anyway")
 
 
 def fitted(params: Iterable, config: ZenFlowConfig, fit: str = "check"

@@ -55,6 +55,8 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     mem, dev_bytes, host_bytes, dev_fits, host_fits = _memory(hw, wl, mode, c, cfg, gpus,
                                                                resident_fraction)
     notes = g.notes + _memory_notes(hw, wl, gpus, dev_bytes, host_bytes, dev_fits, host_fits)
+    if mode == "zenflow" and not host_fits:
+        notes.append(_leaner_host_note(hw, wl, c, cfg, gpus))
     fits = dev_fits and host_fits
     return Prediction(
         mode=mode, step_time_s=step if fits else None,
@@ -151,6 +153,21 @@ def _memory_notes(hw: Hardware, wl: Workload, gpus: int, dev_bytes: int, host_by
                      f"of host memory, the host has {hw.host_memory_bytes / 1e9:.0f} GB, "
                      f"{hw.usable_host_bytes / 1e9:.1f} usable")
     return notes
+
+
+def _leaner_host_note(hw: Hardware, wl: Workload, c: Any, cfg: Any, gpus: int) -> str:
+    """The leaner host settings (``fit.leaner_host_settings``: bf16 moments, a bf16 window
+    sum, the sum on the device) with the host memory each needs, and whether it fits; the
+    device's share is not rechecked here (the window summed on the device costs device
+    memory)."""
+    from zenflow_triton.fit import describe_leaner, leaner_host_settings
+
+    procs = hw.processes_per_host(gpus)
+    options = [(changes, _memory(hw, wl, "zenflow", c, lean, gpus, 0.0)[2] * procs)
+               for changes, lean in leaner_host_settings(cfg)]
+    text = describe_leaner(options, hw.usable_host_bytes)
+    return (f"leaner host settings: {text} (their measured quality: docs/memory.md)"
+            if text else "no leaner host setting is left")
 
 
 def _memory(hw: Hardware, wl: Workload, mode: str, c: Any, cfg: Any, gpus: int,
