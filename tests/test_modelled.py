@@ -516,3 +516,22 @@ def test_the_tuner_never_ranks_or_saves_streaming_where_the_optimizer_refuses_it
             out.notes
     else:
         assert not load_profile("many").settings.get("stream_grads")
+
+
+def test_where_the_host_binds_bf16_moments_are_searched_and_refused_unmeasured(dirs):
+    """Llama-3-8B on a 24 GB card in a 128 GB desktop: no measured setting fits the host; the
+    lean search tries host_state_dtype="bfloat16", and the real-model quality gate (whose key
+    holds host_state_dtype) refuses it because the store has not measured it."""
+    from autotune.realquality import load_store, setting_key
+    prof = MD.profile_of("rtx4090-pcie4", host_memory_gb=128)
+    out = MD.run_modelled(profile=prof, model="llama3-8b", tokens=2048, quality="real",
+                          log=quiet)
+    assert out.best is None
+    note = next(n for n in out.notes if n.startswith("no grid point fits the host"))
+    assert "host_state_dtype='bfloat16'" in note and "has not measured" in note, note
+    store = load_store()
+    for entry in store.entries.values():
+        point = dict(entry["settings"], host_state_dtype="bfloat16")
+        assert setting_key(point) != setting_key(entry["settings"])
+        verdict = store.verdict(point)
+        assert not verdict.measured and not verdict.passed

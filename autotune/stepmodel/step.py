@@ -253,19 +253,20 @@ def host_update_seconds(hw: Hardware, wl: Workload, *, gpus: int = 1, config: An
 
 LEAN_CHOICES = dict(accumulate_on=("device", "host"), accumulator_dtype=("float32", "bfloat16"),
                     dense_params=(None, ()), topk_ratio=(None, 0.05, 0.02, 0.01),
-                    stream_grads=(None, True))
+                    stream_grads=(None, True), host_state_dtype=(None, "bfloat16"))
 """What :func:`fitting_zenflow` may change to make ZenFlow fit, from the settings given
 (``None``: keep the given value): where and in which dtype the window is summed, the dense
-set, the share of columns whose state the device keeps, and whether the gradient streams to
-the host during backward (training unchanged; it implies accumulate_on="host")."""
+set, the share of columns whose state the device keeps, whether the gradient streams to
+the host during backward (training unchanged; it implies accumulate_on="host"), and the host
+moments' dtype (where the host's memory binds)."""
 
 
 def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
                     sharding: str = "ddp") -> Prediction | None:
     """Among the leaner variants of ``config`` (:data:`LEAN_CHOICES`) that fit the device's
     memory, the one that gives up least, or None when none fits: the highest ``topk_ratio``
-    first, then the dense set kept, then an fp32 accumulator, then device accumulation, and
-    among equals the fastest. A prediction, not a measurement: the quality of a leaner
+    first, then the dense set kept, then fp32 host moments, then an fp32 accumulator, then
+    device accumulation, and among equals the fastest. A prediction, not a measurement: the quality of a leaner
     setting is the convergence study's to say."""
     import itertools
 
@@ -278,6 +279,7 @@ def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = 
         p = predict(hw, wl, "zenflow", gpus=gpus, config=c, sharding=sharding)
         if p.fits:
             given_up = (cfg.topk_ratio - c.topk_ratio, c.dense_params != cfg.dense_params,
+                        c.host_state_dtype != cfg.host_state_dtype,
                         c.accumulator_dtype != cfg.accumulator_dtype,
                         c.accumulate_on != cfg.accumulate_on,
                         c.stream_grads != cfg.stream_grads, p.step_time_s)
