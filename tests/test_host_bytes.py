@@ -151,3 +151,33 @@ def test_the_streamed_peak_is_a_selection_s_whole_gradients_and_a_cut():
         assert opt.stats()["host_streamed_bytes_peak"] == whole + cut
     finally:
         opt.close(finish=False)
+
+
+def test_a_slow_adder_holds_backward_back_instead_of_piling_copies_up(monkeypatch):
+    """With an adder thread slower than backward, a later micro-batch's copies wait for it:
+    the copies not yet summed never exceed the largest matrix's gradient, what the formula
+    counts as the later micro-batch's copy."""
+    import time
+
+    from zenflow_triton.grads import stream as G
+
+    made = G.GradStream._adder_thread
+
+    def slow_adder(self):
+        worker = made(self)
+        if not getattr(worker, "slowed", False):
+            submit = worker.submit
+
+            def slow_submit(fn, label):
+                return submit(lambda: (time.sleep(0.05), fn()), label)
+            worker.submit, worker.slowed = slow_submit, True
+        return worker
+    monkeypatch.setattr(G.GradStream, "_adder_thread", slow_adder)
+    model, opt = _run(torch.bfloat16, dict(topk_ratio=0.1, update_interval=2,
+                                           stream_grads=True), 3, steps=2)
+    try:
+        want = formula(model, opt, 3)
+        bound = want["streamed gradients"] + want["later micro-batch's copy"]
+        assert opt.stats()["host_streamed_bytes_peak"] <= bound
+    finally:
+        opt.close(finish=False)
