@@ -264,10 +264,10 @@ moments' dtype (where the host's memory binds)."""
 def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
                     sharding: str = "ddp") -> Prediction | None:
     """Among the leaner variants of ``config`` (:data:`LEAN_CHOICES`) that fit the device's
-    memory, the one that gives up least, or None when none fits: the highest ``topk_ratio``
-    first, then the dense set kept, then fp32 host moments, then an fp32 accumulator, then
-    device accumulation, and among equals the fastest. A prediction, not a measurement: the quality of a leaner
-    setting is the convergence study's to say."""
+    and the host's memory, the one that gives up least, or None when none fits: the highest
+    ``topk_ratio`` first, then the dense set kept, then fp32 host moments, then an fp32
+    accumulator, then device accumulation, and among equals the fastest. A prediction, not a
+    measurement: the quality of a leaner setting is the convergence study's to say."""
     import itertools
 
     cfg = zenflow_config(config)
