@@ -13,10 +13,12 @@ small matrices); the gradients, whole, or with ``stream_grads`` what the hooks h
 (``stream``). A fit leaves :data:`DEVICE_HEADROOM` of the device for the activations, the
 framework's buffers and the allocator's slack (the constructor cannot know the batch:
 ``zenflow-tune predict`` counts the activations of a stated number of tokens). The host
-side (:func:`host_bytes`: master, moments, accumulator, outbox of the host-owned columns)
-is checked against the memory this machine has available, for every rank on it: under FSDP2
-each rank holds its rows, and all the ranks of a machine take them from its memory
-(:func:`ranks_on_host`).
+side (:func:`host_bytes`, by :func:`host_terms`, the formula the step model uses too: every
+host buffer the optimizer allocates, streamed gradients included) is checked against the
+memory this machine has available, for every rank on it: under FSDP2 each rank holds its
+rows, and all the ranks of a machine take them from its memory (:func:`ranks_on_host`);
+where it does not fit, the error names the leaner host settings with their bytes
+(:func:`leaner_host_settings`).
 """
 
 from __future__ import annotations
