@@ -43,6 +43,22 @@ from zenflow_triton.profiles import Profile, builtin_profile_dir  # noqa: E402
 SKIP = ("cpu",)
 
 
+def _why_none(hw, rows) -> str:
+    """Why no point of ``rows`` was chosen: none fits the device, none of those that do fits
+    the host, or none passed the quality bar."""
+    usable = hw.usable_device_bytes or 0
+    on_device = [r.prediction for r in rows if r.prediction.device_memory_bytes <= usable]
+    if not on_device:
+        need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
+        return (f"does not fit: at least {need:.1f} GB of device memory (activations "
+                f"included) against {hw.device_memory_bytes / 1e9:.0f} GB")
+    if not any(p.fits for p in on_device):
+        need = min(p.host_memory_bytes for p in on_device) / 1e9
+        return (f"does not fit the host: at least {need:.1f} GB of host memory against "
+                f"{hw.host_memory_bytes / 1e9:.0f} GB ({hw.usable_host_bytes / 1e9:.1f} usable)")
+    return "no point that fits passes the quality bar"
+
+
 def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: int,
                tokens: int, storage: str | None, dry_run: bool, top: int,
                headroom: float = 0.25, apply_delays: tuple[float, ...] | None = None,
@@ -90,9 +106,7 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
                                                           modes=MD.PEER_MODES))
             if out.best is not None:
                 break
-            need = min(r.prediction.device_memory_bytes for r in rows) / 1e9
-            tried.append(f"{preset} does not fit: at least {need:.1f} GB of device memory "
-                         f"(activations included) against {hw.device_memory_bytes / 1e9:.0f} GB")
+            tried.append(f"{preset}: {_why_none(hw, rows)}")
         print(f"\n== {name}: {out.workload.name}, {gpus} GPU(s), {tokens} tokens/GPU/step")
         for t in tried:
             print(f"   ({t})")

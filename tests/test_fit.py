@@ -233,11 +233,16 @@ def test_the_host_side_is_checked_against_the_memory_available(monkeypatch):
     model = Tiny().to(torch.bfloat16)
     cfg = load_profile("a100-pcie4").config()
     need = F.host_bytes(model.named_parameters(), cfg)
-    # host-owned elements x (fp32 master + two fp32 moments + a bf16 outbox)
+    # host-owned elements x (fp32 master + two fp32 moments + a bf16 outbox), their column
+    # indices (int64), and each worker's fp32 scratch (the bf16 window mean staged in the
+    # outbox is widened there piece by piece)
     from zenflow_triton.columns.selection import num_selected
-    host = sum(p.shape[0] * (p.shape[1] - num_selected(p.shape[1], cfg.topk_ratio))
-               for n, p in model.named_parameters() if n in ("up.weight", "down.weight"))
-    assert need == host * (12 + 2)
+    from zenflow_triton.host.adamw import STREAM_PIECE
+    mats = [p.shape for n, p in model.named_parameters() if n in ("up.weight", "down.weight")]
+    host = sum(r * (c - num_selected(c, cfg.topk_ratio)) for r, c in mats)
+    index = sum(8 * (c - num_selected(c, cfg.topk_ratio)) for _, c in mats)
+    scratch = torch.get_num_threads() * STREAM_PIECE * 4
+    assert need == host * (12 + 2) + index + scratch
     _capacity(monkeypatch, 10**12)
     monkeypatch.setattr(F, "host_capacity_bytes", lambda: int(need / 0.9) - 1)
     with pytest.raises(DoesNotFitError, match="of host memory"):
@@ -296,12 +301,45 @@ def test_a_streamed_gradient_counts_the_device_columns_and_the_largest_gradient_
 @pytest.mark.parametrize("acc_dtype,acc_bytes", [("float32", 4), ("bfloat16", 2)])
 def test_host_bytes_count_the_window_accumulator_where_the_host_sums(acc_dtype, acc_bytes):
     """Per host-owned element: fp32 master (4), two fp32 moments (8), the bf16 outbox (2) and,
-    summed on the host over a window of more than one step, the accumulator."""
+    summed on the host over a window of more than one step, the accumulator; the column
+    indices (8 B per host-owned column) and one worker's scratch (2 MiB: a bf16 window mean
+    or sum is widened there; not for an fp32 sum)."""
     model = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False),
                                 torch.nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
     host = 64 * (128 - 13) + 128 * (64 - 6)  # rows x (cols - round(0.1 x cols))
-    kw = dict(topk_ratio=0.1, min_offload_numel=1000, accumulator_dtype=acc_dtype)
+    index = 8 * ((128 - 13) + (64 - 6))
+    scratch = 2 * 1024 * 1024
+    kw = dict(topk_ratio=0.1, min_offload_numel=1000, accumulator_dtype=acc_dtype,
+              host_threads=1)
     on_host = ZenFlowConfig(accumulate_on="host", update_interval=4, **kw)
-    assert F.host_bytes(model.named_parameters(), on_host) == host * (4 + 8 + 2 + acc_bytes)
+    assert F.host_bytes(model.named_parameters(), on_host) == (
+        host * (4 + 8 + 2 + acc_bytes) + index + (scratch if acc_bytes < 4 else 0))
     for no_sum in (on_host.replace(accumulate_on="device"), on_host.replace(update_interval=1)):
-        assert F.host_bytes(model.named_parameters(), no_sum) == host * (4 + 8 + 2)
+        assert F.host_bytes(model.named_parameters(), no_sum) == (
+            host * (4 + 8 + 2) + index + scratch)
+
+
+def test_the_host_check_names_the_leaner_host_settings_with_their_bytes(monkeypatch):
+    """Where the host state does not fit, the error gives each leaner host setting's bytes
+    (bf16 moments, a bf16 window sum, both, the sum on the device) and which of them fit."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False),
+                                torch.nn.Linear(1024, 1024, bias=False)).to(torch.bfloat16)
+    kw = dict(topk_ratio=0.1, update_interval=4, accumulate_on="host",
+              min_offload_numel=1000, host_threads=1)
+    cfg = ZenFlowConfig(**kw)
+    named = list(model.named_parameters())
+    need = F.host_bytes(named, cfg)
+    both = F.host_bytes(named, cfg.replace(host_state_dtype="bfloat16",
+                                           accumulator_dtype="bfloat16"))
+    moments = F.host_bytes(named, cfg.replace(host_state_dtype="bfloat16"))
+    assert both < moments < need
+    _capacity(monkeypatch, 10**12)
+    monkeypatch.setattr(F, "host_capacity_bytes", lambda: int((both + moments) / 2 / 0.9))
+    with pytest.raises(DoesNotFitError) as ei:
+        ZenFlowOptimizer(named, lr=1e-3, **kw).close()
+    text = str(ei.value)
+    assert f"host_state_dtype='bfloat16': {F._gb(moments)};" in text
+    assert (f"host_state_dtype='bfloat16', accumulator_dtype='bfloat16': {F._gb(both)} (fits)"
+            in text)
+    device = F.host_bytes(named, cfg.replace(accumulate_on="device"))
+    assert f"accumulate_on='device': {F._gb(device)}" in text

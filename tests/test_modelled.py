@@ -228,7 +228,10 @@ def test_a_model_that_does_not_fit_chooses_nothing(dirs, fake):
 def test_a_7b_model_on_a_24_gb_card_fits_with_the_gradient_streamed(dirs, fake):
     # the whole bf16 gradient (13.5 GB) beside the params (13.5 GB) never fits 24 GB; streamed
     # off the device during backward it need not be resident, and a lean point fits
-    out = _run(f"sqlite:///{dirs / 'q.db'}", profile="rtx4090-pcie4")
+    # a host with room: the desktop's 128 GB the profile assumes does not hold Llama-2-7B's
+    # host state (test_where_the_host_binds_bf16_moments_are_searched_and_refused_unmeasured)
+    roomy = MD.profile_of("rtx4090-pcie4", host_memory_gb=256)
+    out = _run(f"sqlite:///{dirs / 'q.db'}", profile=roomy)
     assert out.best is not None, out.notes
     assert out.best.settings.get("stream_grads") is True
     assert out.best.prediction.device_memory_bytes <= 24e9 * (1 - SM.DEVICE_HEADROOM)
@@ -502,7 +505,9 @@ def test_the_tuner_never_ranks_or_saves_streaming_where_the_optimizer_refuses_it
     """Streaming is refused under DDP and FSDP2 (``StreamingError`` at construction): on one
     GPU the pick streams (Llama-3-8B on 40 GB, Llama-2-7B on an RTX 4090), on more
     ranks or FSDP2 no eligible row and no saved profile does."""
-    card = MD.profile_of(profile, 40) if profile == "a100-pcie4" else profile
+    # the RTX 4090 in a host with room (the desktop's 128 GB does not hold Llama-2-7B's)
+    card = (MD.profile_of(profile, 40) if profile == "a100-pcie4"
+            else MD.profile_of(profile, host_memory_gb=256))
     one = MD.run_modelled(profile=card, model=model, quality="real", log=quiet)
     assert one.best is not None and one.best.settings.get("stream_grads") is True
     out = MD.run_modelled(profile=card, model=model, gpus=gpus, sharding=sharding,
@@ -516,3 +521,22 @@ def test_the_tuner_never_ranks_or_saves_streaming_where_the_optimizer_refuses_it
             out.notes
     else:
         assert not load_profile("many").settings.get("stream_grads")
+
+
+def test_where_the_host_binds_bf16_moments_are_searched_and_refused_unmeasured(dirs):
+    """Llama-3-8B on a 24 GB card in a 128 GB desktop: no measured setting fits the host; the
+    lean search tries host_state_dtype="bfloat16", and the real-model quality gate (whose key
+    holds host_state_dtype) refuses it because the store has not measured it."""
+    from autotune.realquality import load_store, setting_key
+    prof = MD.profile_of("rtx4090-pcie4", host_memory_gb=128)
+    out = MD.run_modelled(profile=prof, model="llama3-8b", tokens=2048, quality="real",
+                          log=quiet)
+    assert out.best is None
+    note = next(n for n in out.notes if n.startswith("no grid point fits the host"))
+    assert "host_state_dtype='bfloat16'" in note and "has not measured" in note, note
+    store = load_store()
+    for entry in store.entries.values():
+        point = dict(entry["settings"], host_state_dtype="bfloat16")
+        assert setting_key(point) != setting_key(entry["settings"])
+        verdict = store.verdict(point)
+        assert not verdict.measured and not verdict.passed

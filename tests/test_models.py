@@ -171,3 +171,21 @@ def test_fitting_zenflow_gives_up_least_and_says_when_nothing_can(capsys):
     # the activations of 4096 tokens leave no room: micro-batches of 2048 do, leaner
     assert "in micro-batches of 2048 tokens" in out and "stream_grads=True" in out
     assert "peer (published, not modelled): torchtune" in out
+
+
+def test_predict_takes_the_desktop_profile_s_host_memory_unless_told(capsys):
+    """rtx4090-pcie4 assumes a 128 GB desktop (its hardware's host_memory_gb): predict checks
+    the host against it when --host-memory-gb is not given, and against the given figure
+    when it is."""
+    from autotune import stepmodel as S
+    assert S.Hardware.from_profile("rtx4090-pcie4").host_memory_bytes == 128e9
+    argv = ["predict", "--profile", "rtx4090-pcie4", "--model", "llama3-8b", "--tokens", "2048",
+            "--topk-ratio", "0.01", "--update-interval", "4", "--dense-params"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "zenflow: does not fit the host" in out and "the host has 128 GB" in out
+    assert cli.main(argv + ["--host-memory-gb", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit the host" not in out and "the host has 128 GB" not in out
+    assert cli.main(argv + ["--host-memory-gb", "64"]) == 0
+    assert "the host has 64 GB" in capsys.readouterr().out

@@ -262,9 +262,13 @@ def test_zenflow_zero_offload_mode_predicts_exactly_the_zero_offload_step(profil
                    overlap=False, dense_params=())  # ZeRO-Offload mode: no dense set
     zo = S.predict(h, wl, "zero-offload", gpus=gpus, window_steps=1)
     for key in ("modelled_step_time_s", "stall_fraction", "link_bytes_per_step",
-                "link_down_bytes_per_step", "link_up_bytes_per_step", "host_busy_fraction",
-                "host_memory_bytes"):
+                "link_down_bytes_per_step", "link_up_bytes_per_step", "host_busy_fraction"):
         assert getattr(zf, key) == getattr(zo, key), key
+    # the host: the library's own ZeRO-Offload mode, and DeepSpeed's fp32 gradient besides
+    peer = zo.memory["host"][S.DEEPSPEED_FP32_GRADIENT]
+    assert zf.memory["host"] == {k: v for k, v in zo.memory["host"].items()
+                                 if k != S.DEEPSPEED_FP32_GRADIENT}
+    assert peer == zf.memory["host"]["master (fp32)"]  # 4 B per offloaded element, each
     assert zf.step_time_s == zo.step_time_s
     # ZeRO-Offload streams its gradients off the device in buckets during backward: its
     # memory is ZenFlow's with stream_grads (no resident full gradient), not without
@@ -393,7 +397,8 @@ def test_memory_matches_the_optimizers_stats(cfg):
     wl = S.Workload.from_module(model)
     pred = S.predict(hw(), wl, "zenflow", host_threads=threads, **cfg)
     dev = S.optimizer_state_bytes(pred.memory["device"])
-    host = sum(pred.memory["host"].values())
+    # the bounce buffers cross a CUDA link only: a CPU run has none
+    host = sum(v for k, v in pred.memory["host"].items() if k != "bounce buffers (pinned)")
     assert dev == pytest.approx(st["device_state_bytes"], rel=0.01, abs=1024)
     assert host == pytest.approx(st["host_state_bytes"], rel=0.01)
     acts = sum(S.activation_bytes(wl).values())
@@ -414,8 +419,10 @@ def test_memory_per_param_follows_the_readme_table():
     assert dev == pytest.approx(1.2, abs=0.02) and host == pytest.approx(16.2, abs=0.02)
     dev, host = per_param("zenflow", host_state_dtype="bfloat16", accumulator_dtype="bfloat16")
     assert dev == pytest.approx(3.0, abs=0.02) and host == pytest.approx(9.0, abs=0.02)
-    assert per_param("zero-offload")[1] == pytest.approx(12.0, abs=0.02)
-    assert per_param("zero-offload-dpu")[1] == pytest.approx(14.0, abs=0.02)
+    # DeepSpeed's layout: fp32 master, m, v and the fp32 gradient partition (16 B); the
+    # delayed update's outbox in the param dtype besides (2 B)
+    assert per_param("zero-offload")[1] == pytest.approx(16.0, abs=0.02)
+    assert per_param("zero-offload-dpu")[1] == pytest.approx(18.0, abs=0.02)
     assert per_param("adamw")[0] == pytest.approx(12.0, abs=1e-9)
     assert S.predict(h, wl, "adamw").fits is False          # 16 B/param of 6.7B > 80 GB
     assert S.predict(h, wl, "adamw").step_time_s is None
@@ -772,3 +779,23 @@ def test_fastlink_table_reproduces_what_a_fast_link_changes():
     assert zero[("450", "7.2")] < zero[("64", "7.2")] < zero[("32", "7.2")]
     vs_dpu = {(r[0], r[1]): float(r[7].rstrip("x")) for r in rows}
     assert vs_dpu[("32", "7.2")] > 1.0 > vs_dpu[("450", "28.8")]
+
+
+def test_a_zenflow_prediction_over_the_host_names_the_leaner_host_settings():
+    """Llama-3-8B on a 128 GB desktop: the note gives each leaner host setting's host GB
+    (as its own prediction counts it) and says which fit."""
+    base = S.Hardware.from_profile("rtx4090-pcie4")
+    h = S.Hardware(**{**base.__dict__, "host_memory_bytes": 128e9})
+    wl = S.Workload.from_preset("llama3-8b", tokens=2048)
+    cfg = dict(topk_ratio=0.01, update_interval=4, dense_params=(), stream_grads=True)
+    p = S.predict(h, wl, "zenflow", **cfg)
+    assert p.host_memory_bytes > h.usable_host_bytes
+    note = next(n for n in p.notes if n.startswith("leaner host settings: "))
+    for changes in (dict(host_state_dtype="bfloat16"), dict(accumulator_dtype="bfloat16"),
+                    dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16")):
+        q = S.predict(h, wl, "zenflow", **cfg, **changes)
+        named = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+        fits = " (fits)" if q.host_memory_bytes <= h.usable_host_bytes else ""
+        assert f"{named}: {q.host_memory_bytes / 1e9:.1f} GB{fits}" in note, (named, note)
+    assert "accumulate_on" not in note  # streaming sums on the host
+    assert "(fits)" in note

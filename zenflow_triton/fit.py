@@ -13,10 +13,12 @@ small matrices); the gradients, whole, or with ``stream_grads`` what the hooks h
 (``stream``). A fit leaves :data:`DEVICE_HEADROOM` of the device for the activations, the
 framework's buffers and the allocator's slack (the constructor cannot know the batch:
 ``zenflow-tune predict`` counts the activations of a stated number of tokens). The host
-side (:func:`host_bytes`: master, moments, accumulator, outbox of the host-owned columns)
-is checked against the memory this machine has available, for every rank on it: under FSDP2
-each rank holds its rows, and all the ranks of a machine take them from its memory
-(:func:`ranks_on_host`).
+side (:func:`host_bytes`, by :func:`host_terms`, the formula the step model uses too: every
+host buffer the optimizer allocates, streamed gradients included) is checked against the
+memory this machine has available, for every rank on it: under FSDP2 each rank holds its
+rows, and all the ranks of a machine take them from its memory (:func:`ranks_on_host`);
+where it does not fit, the error names the leaner host settings with their bytes
+(:func:`leaner_host_settings`).
 """
 
 from __future__ import annotations
@@ -144,26 +146,162 @@ def device_bytes(params: Iterable, config: ZenFlowConfig) -> DeviceBytes:
     return DeviceBytes(int(par), int(grad), int(opt))
 
 
-def host_bytes(params: Iterable, config: ZenFlowConfig) -> int:
-    """The host bytes the optimizer will hold for the trainable ``params``: per host-owned
-    element of a split matrix its fp32 master and two moments (``host_state_dtype``), the
-    window accumulator (``accumulate_on="host"``, a window of more than one step) and the
-    outbox of a low-precision param (the result's copy in its dtype). An FSDP2 param
-    counts the largest rank's rows of it (``ceil(rows / world)``): every rank counts
-    alike, so every rank decides alike."""
-    moment = torch.empty(0, dtype=config.host_moment_dtype).element_size()
-    acc = torch.empty(0, dtype=config.accumulator_torch_dtype).element_size()
-    total = 0.0
+HOST_PARTS = ("master (fp32)", "moments (host_state_dtype)", "window accumulator",
+              "outbox (param dtype)", "staging (param dtype)", "column indices",
+              "worker scratch (pinned)", "moment scratch (bf16 moments)",
+              "bounce buffers (pinned)", "streamed gradients", "later micro-batch's copy")
+"""The names of :func:`host_terms`'s parts, in order."""
+
+
+def _sizes(config) -> tuple[int, int]:
+    """Bytes of a host moment element and of an accumulator element under ``config``."""
+    return (torch.empty(0, dtype=config.host_moment_dtype).element_size(),
+            torch.empty(0, dtype=config.accumulator_torch_dtype).element_size())
+
+
+def _source(config) -> str:
+    """Where a steady window's gradient comes from (``host.pipeline.Window.source``):
+    ``"host_direct"`` (streamed, one-step windows), ``"host_acc"`` (summed on the host) or
+    ``"device"`` (a one-step window's columns or a device accumulator, copied in by the
+    job)."""
+    if config.update_interval > 1:
+        return "host_acc" if config.accumulate_on == "host" else "device"
+    return "host_direct" if config.stream_grads else "device"
+
+
+def _loads(config, itemsize: int, boxed: bool) -> bool:
+    """Whether the host AdamW's workers load a matrix's gradient piece by piece into their
+    scratch (``host.pipeline.HostPipeline._task``): a job applied at once (``overlap=False``,
+    warm-up) copying from the device, or a gradient held in a narrower dtype than fp32."""
+    source = _source(config)
+    warm = config.warmup_steps > 0 and not config.stream_grads  # warm-up: applied at once
+    if source == "host_direct":
+        return itemsize < 4
+    if source == "host_acc":
+        return _sizes(config)[1] < 4 or warm
+    return not config.overlap or warm or (boxed and itemsize < 4)
+
+
+def host_terms(matrices: Iterable[tuple[float, int, int, int]], config, *, threads: int,
+               cuda: bool, world: int = 1, micro_batches: int = 1) -> dict[str, float]:
+    """The host bytes the optimizer holds at most, by part (:data:`HOST_PARTS`), for ``(rows,
+    cols, k, bytes per element)`` of each split matrix (``rows``: this rank's) under
+    ``config``, with ``threads`` host AdamW workers, params on a CUDA device or not, ``world``
+    ranks and ``micro_batches`` backward passes per step. One formula for the fit check
+    (:func:`host_bytes`) and the step model's host side; each part is what a room allocates:
+
+    * master, moments, accumulator: ``state`` (the host-owned columns' fp32 master, two
+      moments in ``host_state_dtype``, a window sum in ``accumulator_dtype`` where the host
+      sums a window of more than one step);
+    * outbox (``host.outbox``): the result in the param's dtype, for a CUDA or low-precision
+      param unless a job applied at once writes the param itself (``overlap=False``, every
+      column host-owned, one rank); else, overlapped, a staging buffer of the window's
+      gradient in the param's dtype where the job copies it in (``host.pipeline``);
+    * the host column indices (int64);
+    * the workers' scratch (``host.adamw``): ``STREAM_PIECE`` fp32 elements each where
+      pieces are loaded, and twice that for bf16 moments; the link's bounce buffers
+      (``transfer.CopyQueue.copy_cast_on_host``), a piece in the param's dtype per worker
+      (a piece: ``STREAM_PIECE`` elements, fewer with a smaller ``chunk_size``),
+      where a job applied at once crosses a CUDA link;
+    * with ``stream_grads`` (``grads.stream``), the gradients' host copies between backward
+      and the host worker's use of them: at a selection every matrix's whole gradient, and
+      a cut of its host columns made before its whole gradient goes; in a steady step a
+      step's host columns (two steps' where a one-step window's overlapped job reads them
+      until the next step's apply point), and a matrix's of the step before while the host
+      worker adds them; with several micro-batches, a later micro-batch's copy until the
+      adder thread has summed it: at most the largest matrix's (the hooks wait for the
+      adder beyond that, ``GradStream.copy_bound``).
+    """
+    mats = list(matrices)
+    out = dict.fromkeys(HOST_PARTS, 0.0)
+    loads = _per_matrix(mats, config, cuda, world, out)
+    if any(rows * (cols - k) for rows, cols, k, _ in mats):
+        out.update(_per_worker(config, threads, cuda, loads,
+                               max(b for *_, b in mats)))
+        if config.stream_grads:
+            out.update(_streamed(mats, config, micro_batches))
+    return out
+
+
+def _per_matrix(mats: list, config, cuda: bool, world: int, out: dict) -> bool:
+    """:func:`host_terms`'s parts per host-owned element and column, added into ``out``;
+    whether the workers load some matrix's gradient piece by piece."""
+    s, a = _sizes(config)
+    source = _source(config)
+    loads = False
+    for rows, cols, k, b in mats:
+        host = rows * (cols - k)
+        boxed = (cuda or b < 4) and (config.overlap or k > 0 or world > 1)
+        out["master (fp32)"] += 4 * host
+        out["moments (host_state_dtype)"] += 2 * s * host
+        if source == "host_acc":
+            out["window accumulator"] += a * host
+        if boxed:
+            out["outbox (param dtype)"] += b * host
+        elif config.overlap and source == "device":
+            out["staging (param dtype)"] += b * host
+        out["column indices"] += INDEX_BYTES * (cols - k)
+        loads = loads or (host > 0 and _loads(config, b, boxed))
+    return loads
+
+
+def _per_worker(config, threads: int, cuda: bool, loads: bool, itemsize: int) -> dict:
+    """:func:`host_terms`'s buffers of each host AdamW worker: a piece (``STREAM_PIECE``
+    elements, fewer with a smaller ``chunk_size``) of fp32 scratch where it loads pieces,
+    two of fp32 moments for bf16 moments, one in the param dtype through the bounce buffer
+    where a job applied at once crosses a CUDA link."""
+    from .host.adamw import ALIGN, STREAM_PIECE  # lazy: fit is imported early
+
+    piece = min(STREAM_PIECE, max(ALIGN, config.chunk_size // ALIGN * ALIGN))
+    out = {}
+    if loads:
+        out["worker scratch (pinned)"] = threads * piece * 4
+    if _sizes(config)[0] < 4:
+        out["moment scratch (bf16 moments)"] = threads * 2 * piece * 4
+    if cuda and (not config.overlap or config.warmup_steps > 0):
+        out["bounce buffers (pinned)"] = threads * piece * itemsize
+    return out
+
+
+def _streamed(mats: list, config, micro_batches: int) -> dict:
+    """:func:`host_terms`'s host copies of the streamed gradients (``stream_grads``)."""
+    with_host = [(rows, cols, k, b) for rows, cols, k, b in mats if cols > k]
+    whole = sum(rows * cols * b for rows, cols, k, b in with_host)
+    cut = max(rows * (cols - k) * b for rows, cols, k, b in with_host)
+    # a one-step window's job reads the host columns themselves until the next step's
+    # apply point: with overlap, two steps' of them are held
+    steps = 2 if _source(config) == "host_direct" and config.overlap else 1
+    held = steps * sum(rows * (cols - k) * b for rows, cols, k, b in with_host)
+    out = {"streamed gradients": max(whole + cut, held)}
+    if micro_batches > 1:
+        out["later micro-batch's copy"] = max(rows * cols * b for rows, cols, k, b in with_host)
+    return out
+
+
+def host_matrices(params: Iterable, config: ZenFlowConfig) -> list[tuple[float, int, int, int]]:
+    """``(rows, cols, k, bytes per element)`` of each trainable split matrix of ``params``,
+    ``rows`` the largest rank's share of an FSDP2 param (``ceil(rows / world)``: every rank
+    counts alike, so every rank decides alike)."""
+    out = []
     for name, p in _named(params):
-        if not p.requires_grad or classify(p, config, name) != MATRIX:
-            continue
-        rows, cols = shape2d(p)
-        host = rows * (cols - num_selected(cols, config.topk_ratio))
-        per = 4 + 2 * moment + (p.element_size() if p.dtype != torch.float32 else 0)
-        if config.accumulate_on == "host" and config.update_interval > 1:
-            per += acc
-        total += host * per * _largest_share(p)
-    return int(total)
+        if p.requires_grad and classify(p, config, name) == MATRIX:
+            rows, cols = shape2d(p)
+            out.append((rows * _largest_share(p), cols, num_selected(cols, config.topk_ratio),
+                        p.element_size()))
+    return out
+
+
+def host_bytes(params: Iterable, config: ZenFlowConfig, *, micro_batches: int = 2) -> int:
+    """The host bytes the optimizer will hold at most for the trainable ``params``
+    (:func:`host_terms`, with the workers ``config`` asks for or torch's threads, the params'
+    device, and ``micro_batches`` backward passes a step: the constructor cannot know them,
+    so it counts a later micro-batch's copy)."""
+    named = _named(params)
+    cuda = any(p.device.type == "cuda" for _, p in named)
+    world = next((p.device_mesh.size() for _, p in named if is_dtensor(p)), 1)
+    threads = config.host_threads or max(1, torch.get_num_threads())
+    return int(sum(host_terms(host_matrices(named, config), config, threads=threads,
+                              cuda=cuda, world=world, micro_batches=micro_batches).values()))
 
 
 def _largest_share(p: torch.Tensor) -> float:
@@ -275,6 +413,37 @@ def check(params: list, config: ZenFlowConfig, fit: str = "check") -> dict:
                           "columns)")
 
 
+HOST_LEANER = (dict(host_state_dtype="bfloat16"), dict(accumulator_dtype="bfloat16"),
+               dict(host_state_dtype="bfloat16", accumulator_dtype="bfloat16"),
+               dict(accumulate_on="device"))
+"""The settings that take host memory off the host state, leanest last: the moments in bf16,
+the window sum in bf16, both, and the window summed on the device (where the device has room
+for it; not with ``stream_grads``, which sums on the host)."""
+
+
+def leaner_host_settings(config: ZenFlowConfig) -> list[tuple[dict, ZenFlowConfig]]:
+    """Each of :data:`HOST_LEANER` that changes ``config`` (and that it allows), with the
+    config it gives."""
+    out = []
+    for changes in HOST_LEANER:
+        if all(getattr(config, k) == v for k, v in changes.items()):
+            continue
+        if "accumulate_on" in changes and config.stream_grads:
+            continue
+        out.append((changes, config.replace(**changes)))
+    return out
+
+
+def describe_leaner(options: list[tuple[dict, float]], has: float) -> str:
+    """``options`` (changes, bytes they need) as a clause: each with its GB, whether it fits
+    ``has`` bytes."""
+    parts = []
+    for changes, need in options:
+        named = ", ".join(f"{k}={v!r}" for k, v in changes.items())
+        parts.append(f"{named}: {_gb(need)}" + (" (fits)" if need <= has else ""))
+    return "; ".join(parts)
+
+
 def check_host(params: list, config: ZenFlowConfig) -> None:
     """DoesNotFitError where the optimizer's host state (:func:`host_bytes`) of every rank on
     this machine (:func:`ranks_on_host`) exceeds what it has available, less
@@ -284,15 +453,19 @@ def check_host(params: list, config: ZenFlowConfig) -> None:
         return
     ranks, whence = ranks_on_host(params)
     need = host_bytes(params, config) * ranks
-    if need > has * (1 - HOST_HEADROOM):
+    room = has * (1 - HOST_HEADROOM)
+    if need > room:
         who = "" if ranks == 1 else f" ({whence}, {_gb(need / ranks)} each)"
+        leaner = describe_leaner([(changes, host_bytes(params, lean) * ranks)
+                                  for changes, lean in leaner_host_settings(config)], room)
         raise DoesNotFitError(
             f"these settings need {_gb(need)} of host memory for the host-owned "
-            f"columns{who} (fp32 master, moments, accumulator, outbox); this machine has "
-            f"{_gb(has)} "
-            f"available ({HOST_HEADROOM:.0%} kept free): host_state_dtype='bfloat16' and "
-            "accumulator_dtype='bfloat16' halve the moments and the sum, a higher "
-            "topk_ratio keeps more columns on the device; fit='skip' to go on anyway")
+            f"columns{who} (fp32 master, moments, accumulator, outbox, staging, indices, "
+            f"scratch, streamed gradients: fit.host_terms); this machine has {_gb(has)} "
+            f"available ({HOST_HEADROOM:.0%} kept free). Leaner host settings: "
+            f"{leaner or 'none left'} (their measured quality: docs/memory.md); a higher "
+            "topk_ratio keeps more columns on the device; "
+            "fit='skip' to go on anyway")
 
 
 def fitted(params: Iterable, config: ZenFlowConfig, fit: str = "check"

@@ -393,8 +393,9 @@ def _report_modelled(out: MD.ModelledOutcome, top: int) -> int:
     if out.best is None:
         why = ("no setting asked for is measured on real models" if not out.rows
                and out.store.real is not None
-               else "no grid point fits in device memory" if not any(r.fits for r in out.rows)
-               else "no feasible grid point fits in device memory" if out.store.n_feasible
+               else "no grid point fits in memory (device and host)"
+               if not any(r.fits for r in out.rows)
+               else "no feasible grid point fits in memory" if out.store.n_feasible
                else "every grid point missed the quality guard")
         hint = (("a smaller --model, fewer --tokens, --sharding fsdp2 with more --gpus"
                  + (", or --quality-bar tuned" if out.store.real.bar != "tuned" else "")

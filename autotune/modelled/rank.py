@@ -302,6 +302,15 @@ def _nothing_fits(hw: M.Hardware, wl: M.Workload, where: dict[str, Any], base: d
             f"{'' if refused(dict(stream_grads=True), where) else ' and gradient streaming'} "
             f"tried); {hw.name} has {has:.0f} GB, "
             f"{(hw.usable_device_bytes or 0) / 1e9:.1f} usable")
+    on_device = [r.prediction for r in rows
+                 if r.prediction.device_memory_bytes <= (hw.usable_device_bytes or 0)]
+    if on_device and hw.host_memory_bytes:  # the host's memory binds, not the device's
+        procs = hw.processes_per_host(where["gpus"])
+        host = min(p.host_memory_bytes for p in on_device) * procs / 1e9
+        text = (f"no grid point fits the host: of the points that fit the device, {wl.name} "
+                f"needs at least {host:.1f} GB of host memory ({procs} process(es)); "
+                f"{hw.name}'s host has {hw.host_memory_bytes / 1e9:.0f} GB, "
+                f"{hw.usable_host_bytes / 1e9:.1f} usable")
     floor = M.params_and_grads_bytes(wl, **where) / 1e9
     if floor > (hw.usable_device_bytes or 0) / 1e9:
         return text + (f": its params, two buckets of its largest gradient and the "

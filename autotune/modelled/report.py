@@ -90,7 +90,7 @@ def _searched(out: ModelledOutcome) -> list[str]:
         rs = store.real
         lines.append(f"quality: {rs.store.describe()}; bar {rs.bar!r} "
                      f"({_bar_text(rs.bar)}); {n} measured setting(s), {nf} within it, "
-                     f"{fit} fit in device memory"
+                     f"{fit} fit in memory (device and host)"
                      + (f"; {len(rs.unmeasured)} asked for but not measured: left out"
                         if rs.unmeasured else ""))
         if out.best is not None:

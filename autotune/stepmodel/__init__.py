@@ -72,7 +72,7 @@ from .report import (CALIBRATION_ASSUMPTIONS, CALIBRATION_SOURCE, PUBLISHED_PEER
                      calibration, calibration_table, markdown_table, plot_timelines,
                      published_peers)
 from .activations import activation_bytes
-from .modes import optimizer_state_bytes
+from .modes import DEEPSPEED_FP32_GRADIENT, optimizer_state_bytes
 from .batch import (CURVE_TOKENS, MICRO_BATCH_CAP, BatchPoint, batch_curve, curve_table,
                     fitting_zenflow_at_batch, micro_batch_choices, plot_curves,
                     predict_fitting, verdict)
@@ -84,7 +84,7 @@ __all__ = [
     "fitting_zenflow", "lean_changes", "resident_that_fits", "params_and_grads_bytes", "LEAN_CHOICES",
     "plot_timelines", "markdown_table", "calibration", "calibration_table", "zenflow_config",
     "CALIBRATION_SOURCE", "CALIBRATION_ASSUMPTIONS", "PUBLISHED_PEERS", "published_peers",
-    "activation_bytes", "DEVICE_HEADROOM", "optimizer_state_bytes",
+    "activation_bytes", "DEVICE_HEADROOM", "optimizer_state_bytes", "DEEPSPEED_FP32_GRADIENT",
     "CURVE_TOKENS", "MICRO_BATCH_CAP", "BatchPoint", "batch_curve", "curve_table",
     "micro_batch_choices", "plot_curves", "predict_fitting", "verdict",
     "fitting_zenflow_at_batch",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zenflow_triton.columns.selection import num_selected
-from zenflow_triton.fit import streamed_gradient_bytes
+from zenflow_triton.fit import host_terms, streamed_gradient_bytes
 
 from .inputs import (DEVICE_ADAMW_BYTES_PER_ELEMENT, DTYPE_BYTES, HOST_ADAM_BYTES_PER_ELEMENT,
                      INDEX_BYTES, SCRATCH_BYTES_PER_THREAD, STATE_SWAP_CHUNK_ELEMENTS, Hardware)
@@ -154,6 +154,41 @@ def optimizer_state_bytes(device: dict[str, float]) -> float:
     return sum(v for k, v in device.items() if not k.startswith(NOT_OPTIMIZER_STATE))
 
 
+DEEPSPEED_FP32_GRADIENT = "fp32 gradient partition (DeepSpeed only)"
+""":func:`zero_offload_host`'s entry for what DeepSpeed holds beyond this library's own
+ZeRO-Offload mode."""
+
+
+def zero_offload_host(mode: str, wl: Workload, c: Costs, cfg: Any,
+                      threads: int) -> dict[str, float]:
+    """The host bytes of ``zero-offload`` (``zero-offload-dpu``: its delayed update), by part:
+
+    * this library's own ZeRO-Offload mode (``topk_ratio=0, update_interval=1``,
+      ``overlap=False``, or ``True`` for the delayed update), as the optimizer allocates it
+      (:func:`zenflow_triton.fit.host_terms`: master, moments, outbox, indices, scratch,
+      bounce buffers), so that mode's prediction equals ZenFlow's at those settings;
+    * what DeepSpeed ZeRO-1/2 with ``offload_optimizer: cpu`` holds beyond that
+      (``deepspeed/runtime/zero/stage_1_and_2.py``): the fp32 gradient of its host partition,
+      4 B per element (``single_partition_of_fp32_groups[i].grad``, written by
+      ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``, pinned with
+      ``offload_optimizer.pin_memory``), under :data:`DEEPSPEED_FP32_GRADIENT`; and, with
+      several micro-batches, the gradient sum between them in the param dtype, pinned
+      (``accumulated_grads_in_cpu``, ``async_accumulate_grad_in_cpu_via_gpu``). Its fp32
+      master and moments are the library's own terms (``single_partition_of_fp32_groups``,
+      the CPU Adam's ``exp_avg`` and ``exp_avg_sq``)."""
+    n, b = c.n_gpus, c.b
+    own = cfg.replace(topk_ratio=0.0, update_interval=1, overlap=mode == "zero-offload-dpu",
+                      stream_grads=False, apply_delay=None)
+    mats = [(p.shape[0] / n, p.cols, 0, b) for p in wl.params
+            if p.is_matrix(cfg.min_offload_numel, ())]
+    out = {k: v for k, v in host_terms(mats, own, threads=threads, cuda=True,
+                                       world=n).items() if v}
+    out[DEEPSPEED_FP32_GRADIENT] = sum(c.matrix) / n * 4
+    if c.micro > 1:  # DeepSpeed's accumulated_grads_in_cpu
+        out["gradient sum between micro-batches (param dtype, pinned)"] = sum(c.matrix) / n * b
+    return out
+
+
 def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
                resident: float = 0.0) -> dict[str, dict]:
     b, n, d = c.b, c.n_gpus, c.shard       # d: N under FSDP2 (this GPU's rows), else 1
@@ -174,16 +209,13 @@ def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
         dev["resident Adam state (sharded 1/N)"] = P / n * resident * sb
         dev["two streaming buffers"] = 2 * max(swap_chunks(c, resident), default=0.0) * sb
         host["Adam state, pinned (sharded 1/N)"] = P / n * (1.0 - resident) * sb
-    if mode in ("zero-offload", "zero-offload-dpu", "overlapped-offload"):
+    if mode in ("zero-offload", "zero-offload-dpu"):
+        host.update(zero_offload_host(mode, wl, c, cfg, threads))
+    if mode == "overlapped-offload":
         host["master + moments"] = P / n * (4 + 2 * s)
         host["worker scratch"] = scratch + moment_scratch
-        if c.micro > 1 and mode != "overlapped-offload":  # DeepSpeed's accumulated_grads_in_cpu
-            host["gradient sum between micro-batches (param dtype, pinned)"] = P / n * b
-        if mode == "zero-offload-dpu" or (mode == "zero-offload" and n > 1):
-            host["outbox (param dtype)"] = P / n * b
-        if mode == "overlapped-offload":
-            largest = max(c.matrix) / n
-            host["per-layer staging (2 buffers each way)"] = 2 * largest * 2 * b
+        largest = max(c.matrix) / n
+        host["per-layer staging (2 buffers each way)"] = 2 * largest * 2 * b
     elif mode == "zenflow":
         e_dev, e_host, idx = zenflow_split(wl, cfg)
         a = DTYPE_BYTES[cfg.accumulator_dtype]
@@ -192,14 +224,10 @@ def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
         windowed = cfg.update_interval > 1 and e_host > 0
         if windowed and cfg.accumulate_on == "device":
             dev["window accumulator (rank's rows)"] = e_host / n * a
-        host["master + moments"] = e_host / n * (4 + 2 * s)
-        if e_host and (cfg.overlap or cfg.topk_ratio > 0 or n > 1):
-            host["outbox (param dtype)"] = e_host / n * b
-        if windowed and cfg.accumulate_on == "host":
-            host["window accumulator (rank's rows)"] = e_host / n * a
-        host["column indices"] = idx
-        if e_host:
-            host["worker scratch"] = scratch + moment_scratch
+        mats = [(p.shape[0] / n, p.cols, num_selected(p.cols, cfg.topk_ratio), b)
+                for p in wl.params if p.is_matrix(cfg.min_offload_numel, cfg.dense_params)]
+        host.update({k: v for k, v in host_terms(mats, cfg, threads=threads, cuda=True,
+                                                 world=n, micro_batches=c.micro).items() if v})
     return {"device": dev, "host": host}
 
 

@@ -297,6 +297,7 @@ ZERO3_OFFLOAD_RUNS = dict(
           "(pinned), sequences of 1024 tokens, HF gradient checkpointing, a fused linear "
           "cross-entropy (no fp32 logits), bf16; host CPU not stated; host memory peak 176.3 GB",
     runs=((8, 8.97), (16, 11.93), (32, 18.30)),   # (sequences per step, seconds per step)
+    host_gb=176.3,   # host RSS peak, every batch
     why="one forward and backward pass a step: the GPU's allocated peak grows with the "
         "batch (8.5, 10.6, 16.4 GB), so each batch is one micro-batch, not accumulation; the "
         "model's nearest mode is zero-offload (ZeRO-1/2 offload: the params stay on the GPU, "
@@ -321,6 +322,22 @@ def zero_offload_calibration_table(profile: str = "rtx4090-pcie4",
             t = predict(hw, wl, mode).modelled_step_time_s
             cells += [f"{t:.2f}", f"{t / published - 1:+.0%}"]
         lines.append(f"| {seqs} | {published:.2f} | " + " | ".join(cells) + " |")
-    lines += ["", f"Source: {ZERO3_OFFLOAD_RUNS['source']}. Setup: {ZERO3_OFFLOAD_RUNS['setup']}."
+    modelled, published = zero3_offload_host_gb(profile, model), ZERO3_OFFLOAD_RUNS["host_gb"]
+    lines += ["", f"Host memory: the model's DeepSpeed ZeRO-Offload host side plus the bf16 "
+              f"params ZeRO-3's param offload keeps in pinned host memory, {modelled:.1f} GB, "
+              f"against the runs' host RSS peak of {published:.1f} GB: "
+              f"{modelled / published - 1:+.0%} (the RSS also holds the process, the CUDA "
+              "context's host side, the data and the pinned allocator's rounding).",
+              "", f"Source: {ZERO3_OFFLOAD_RUNS['source']}. Setup: {ZERO3_OFFLOAD_RUNS['setup']}."
               f" Read as: {ZERO3_OFFLOAD_RUNS['why']}."]
     return "\n".join(lines)
+
+
+def zero3_offload_host_gb(profile: str = "rtx4090-pcie4", model: str = "llama3-8b") -> float:
+    """The host GB the model gives DeepSpeed ZeRO-3 with optimizer and param offload (the
+    runs of :data:`ZERO3_OFFLOAD_RUNS`, one micro-batch of 8 x 1024 tokens): ``zero-offload``'s
+    host side (fp32 master, m, v and the fp32 gradient partition,
+    ``modes.zero_offload_host``) plus the params in the param dtype, which param offload
+    keeps in pinned host memory (``offload_param: {device: cpu, pin_memory: true}``)."""
+    hw, wl = Hardware.from_profile(profile), Workload.from_spec(model, tokens=8 * 1024)
+    return (predict(hw, wl, "zero-offload").host_memory_bytes + wl.param_bytes * wl.numel) / 1e9

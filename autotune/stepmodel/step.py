@@ -55,6 +55,8 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     mem, dev_bytes, host_bytes, dev_fits, host_fits = _memory(hw, wl, mode, c, cfg, gpus,
                                                                resident_fraction)
     notes = g.notes + _memory_notes(hw, wl, gpus, dev_bytes, host_bytes, dev_fits, host_fits)
+    if mode == "zenflow" and not host_fits:
+        notes.append(_leaner_host_note(hw, wl, c, cfg, gpus))
     fits = dev_fits and host_fits
     return Prediction(
         mode=mode, step_time_s=step if fits else None,
@@ -153,6 +155,21 @@ def _memory_notes(hw: Hardware, wl: Workload, gpus: int, dev_bytes: int, host_by
     return notes
 
 
+def _leaner_host_note(hw: Hardware, wl: Workload, c: Any, cfg: Any, gpus: int) -> str:
+    """The leaner host settings (``fit.leaner_host_settings``: bf16 moments, a bf16 window
+    sum, the sum on the device) with the host memory each needs, and whether it fits; the
+    device's share is not rechecked here (the window summed on the device costs device
+    memory)."""
+    from zenflow_triton.fit import describe_leaner, leaner_host_settings
+
+    procs = hw.processes_per_host(gpus)
+    options = [(changes, _memory(hw, wl, "zenflow", c, lean, gpus, 0.0)[2] * procs)
+               for changes, lean in leaner_host_settings(cfg)]
+    text = describe_leaner(options, hw.usable_host_bytes)
+    return (f"leaner host settings: {text} (their measured quality: docs/memory.md)"
+            if text else "no leaner host setting is left")
+
+
 def _memory(hw: Hardware, wl: Workload, mode: str, c: Any, cfg: Any, gpus: int,
             resident_fraction: float) -> tuple[dict, int, int, bool, bool]:
     """A mode's memory on each side (:func:`~.modes.memory_use`), their totals, and whether
@@ -236,20 +253,21 @@ def host_update_seconds(hw: Hardware, wl: Workload, *, gpus: int = 1, config: An
 
 LEAN_CHOICES = dict(accumulate_on=("device", "host"), accumulator_dtype=("float32", "bfloat16"),
                     dense_params=(None, ()), topk_ratio=(None, 0.05, 0.02, 0.01),
-                    stream_grads=(None, True))
+                    stream_grads=(None, True), host_state_dtype=(None, "bfloat16"))
 """What :func:`fitting_zenflow` may change to make ZenFlow fit, from the settings given
 (``None``: keep the given value): where and in which dtype the window is summed, the dense
-set, the share of columns whose state the device keeps, and whether the gradient streams to
-the host during backward (training unchanged; it implies accumulate_on="host")."""
+set, the share of columns whose state the device keeps, whether the gradient streams to
+the host during backward (training unchanged; it implies accumulate_on="host"), and the host
+moments' dtype (where the host's memory binds)."""
 
 
 def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = None,
                     sharding: str = "ddp") -> Prediction | None:
     """Among the leaner variants of ``config`` (:data:`LEAN_CHOICES`) that fit the device's
-    memory, the one that gives up least, or None when none fits: the highest ``topk_ratio``
-    first, then the dense set kept, then an fp32 accumulator, then device accumulation, and
-    among equals the fastest. A prediction, not a measurement: the quality of a leaner
-    setting is the convergence study's to say."""
+    and the host's memory, the one that gives up least, or None when none fits: the highest
+    ``topk_ratio`` first, then the dense set kept, then fp32 host moments, then an fp32
+    accumulator, then device accumulation, and among equals the fastest. A prediction, not a
+    measurement: the quality of a leaner setting is the convergence study's to say."""
     import itertools
 
     cfg = zenflow_config(config)
@@ -261,6 +279,7 @@ def fitting_zenflow(hw: Hardware, wl: Workload, *, gpus: int = 1, config: Any = 
         p = predict(hw, wl, "zenflow", gpus=gpus, config=c, sharding=sharding)
         if p.fits:
             given_up = (cfg.topk_ratio - c.topk_ratio, c.dense_params != cfg.dense_params,
+                        c.host_state_dtype != cfg.host_state_dtype,
                         c.accumulator_dtype != cfg.accumulator_dtype,
                         c.accumulate_on != cfg.accumulate_on,
                         c.stream_grads != cfg.stream_grads, p.step_time_s)

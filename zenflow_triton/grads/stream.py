@@ -36,7 +36,10 @@ Ordering invariants:
   possibly in flight before a new one would make their sources exceed :attr:`copy_bound`
   bytes (the largest streamed matrix's gradient; with the gradient in hand, twice that: what
   ``fit`` counts): on a GPU a copy's source stays allocated until the copy is done, so a
-  link slower than backward slows backward down instead of piling gradients up.
+  link slower than backward slows backward down instead of piling gradients up. Likewise
+  in host memory: a later micro-batch's copy waits for the adder's oldest sums until the
+  copies not yet summed hold at most :attr:`copy_bound` bytes (``fit.host_terms`` counts
+  one such copy), so an adder slower than backward does not pile copies up.
 * Where the training thread waits for the host copies: a step of several micro-batches with
   ``check_finite`` waits in :meth:`work`, before any change, for the host sums (the adder's
   jobs, each after its copies): a sum of finite micro-batches may overflow, and the step's
@@ -49,6 +52,7 @@ Ordering invariants:
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections import deque
@@ -129,6 +133,32 @@ class _Buffers:
     rescore: bool = False                      # score from the host copy (not the hooks')
 
 
+class HostLedger:
+    """The host bytes of the copies streaming made (each matrix's host columns of a step, a
+    later micro-batch's copy until the adder thread summed it, a whole gradient at a
+    selection), from their allocation until their memory is freed; and the most seen at
+    once. Thread-safe: a copy may be freed on the host worker or the adder thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t`` (a new host tensor, not a view) until it is freed; returns it."""
+        n = t.numel() * t.element_size()
+        if n:
+            with self._lock:
+                self.live += n
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, n)
+        return t
+
+    def _free(self, n: int) -> None:
+        with self._lock:
+            self.live -= n
+
+
 class GradStream:
     """The hooks and what they leave (active with ``stream_grads``); also, with or without
     streaming, the peak of live gradient bytes."""
@@ -151,6 +181,9 @@ class GradStream:
         self.copy_bound = 0      # device bytes the copies in flight may hold (back-pressure)
         self._in_flight: deque = deque()  # (wait, bytes) of copies not yet waited for here
         self._in_flight_bytes = 0
+        self.host = HostLedger()  # the host copies' bytes, held and at most
+        self._adding: deque = deque()  # (adder job, bytes) of copies not yet waited for here
+        self._adding_bytes = 0
 
     # ------------------------------------------------------------------ setup
     def install(self, params, kind_of: Callable[[torch.Tensor], str]) -> None:
@@ -276,7 +309,10 @@ class GradStream:
         done."""
         nbytes = src.numel() * src.element_size()
         self._make_room(nbytes)
+        if b.host is not None:
+            self._make_room_to_add(nbytes)
         out, wait = self.link.to_host_async(src)
+        self.host.hold(out)
         if nbytes:
             self._in_flight.append((wait, nbytes))
             self._in_flight_bytes += nbytes
@@ -294,8 +330,22 @@ class GradStream:
             into.add_(add)
             if check:  # finite + finite may overflow: the sum is what the step takes
                 verdicts.append(not bool(torch.isfinite(into).all()))
-        b.jobs.append(self._adder_thread().submit(add_micro_batch,
-                                                  "a streamed micro-batch's sum"))
+        job = self._adder_thread().submit(add_micro_batch, "a streamed micro-batch's sum")
+        b.jobs.append(job)
+        self._adding.append((job, nbytes))
+        self._adding_bytes += nbytes
+
+    def _make_room_to_add(self, nbytes: int) -> None:
+        """Back-pressure on host memory, before a later micro-batch's copy of ``nbytes``:
+        wait (bounded) for the adder's oldest sums until the copies it has not summed yet
+        and this one hold at most :attr:`copy_bound` bytes (what ``fit.host_terms`` counts
+        as a later micro-batch's copy), so an adder slower than backward slows backward
+        down instead of piling copies up. A failed sum raises later, where the step
+        settles it."""
+        while self._adding and self._adding_bytes + nbytes > self.copy_bound:
+            job, n = self._adding.popleft()
+            self._adder.wait_event(job.done, job.label)
+            self._adding_bytes -= n
 
     def _make_room(self, nbytes: int) -> None:
         """Back-pressure, before a copy of ``nbytes``: wait (bounded) for the oldest copies
@@ -442,6 +492,7 @@ class GradStream:
                 if coef is not None:
                     b.host.mul_(coef.to(b.host.device))
                 ready[p] = self._cut(p, st, b.host)
+                b.host = None  # the whole gradient goes now, not after every param's cut
             else:
                 ready[p] = Split(b.dev, HostPart(b.host) if b.host is not None else None)
                 if b.host is not None:
@@ -465,7 +516,7 @@ class GradStream:
         host = None
         if host_idx.numel():
             host = HostPart(whole if host_idx.numel() == cols
-                            else whole.index_select(1, host_idx))
+                            else self.host.hold(whole.index_select(1, host_idx)))
         return Split(dev, host)
 
     def rebase(self) -> None:
@@ -477,8 +528,8 @@ class GradStream:
             if not b.whole:
                 st = self.state[p]
                 rows, cols = shape2d(p)
-                whole = torch.empty(rows, cols, dtype=(b.host if b.host is not None
-                                                       else b.dev).dtype)
+                whole = self.host.hold(torch.empty(
+                    rows, cols, dtype=(b.host if b.host is not None else b.dev).dtype))
                 if b.host is not None:
                     whole[:, st["host_idx"]] = b.host
                 if b.dev is not None:
@@ -509,7 +560,9 @@ class GradStream:
         self.peak_bytes = max(self.peak_bytes, resident + self._hook_peak)
 
     def stats(self) -> dict[str, Any]:
-        return dict(grad_bytes_peak=self.peak_bytes, grads_streamed=self.streamed)
+        return dict(grad_bytes_peak=self.peak_bytes, grads_streamed=self.streamed,
+                    host_streamed_bytes=self.host.live,
+                    host_streamed_bytes_peak=self.host.peak)
 
 
 def _finalize(bufs: list[_Buffers], coef: torch.Tensor | None, timeout: float, adder):

@@ -57,7 +57,8 @@ class HostWorker:
                 job.error_tb = traceback.format_exc()
             finally:
                 job.busy_seconds = time.perf_counter() - t0
-                job.done.set()
+                job.fn = None  # what it captured (host buffers) is freed now, not when the
+                job.done.set()  # job object is dropped (a list of finished jobs keeps it)
 
     @property
     def alive(self) -> bool:
