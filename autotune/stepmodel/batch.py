@@ -51,8 +51,9 @@ def micro_batch_choices(tokens: int) -> list[int]:
 
 def predict_fitting(hw: Hardware, wl: Workload, mode: str, **kw: Any) -> Prediction:
     """:func:`~.step.predict` at the workload's micro-batch if it names one, else at the
-    largest of :func:`micro_batch_choices` that fits the device and host (the smallest's
-    prediction, not fitting, when none does), each counting the activations with the
+    largest of :func:`micro_batch_choices` that fits the device and host (when none does:
+    the largest that fits the device, whose prediction says what the host lacks, else the
+    smallest's), each counting the activations with the
     workload's ``loss`` (``"chunked"``: one chunk of logits, so a larger micro-batch may fit
     than with the fp32 ``"logits"``). The prediction's ``micro_batch_tokens`` and
     ``micro_batches`` say which."""
@@ -60,7 +61,8 @@ def predict_fitting(hw: Hardware, wl: Workload, mode: str, **kw: Any) -> Predict
         return predict(hw, wl, mode, **kw)
     choices = [wl.replace(micro_batch_tokens=m) for m in micro_batch_choices(wl.tokens)]
     fitting = (w for w in choices if memory_fits(hw, w, mode, **kw))
-    return predict(hw, next(fitting, choices[-1]), mode, **kw)
+    on_device = (w for w in choices if memory_fits(hw, w, mode, device_only=True, **kw))
+    return predict(hw, next(fitting, None) or next(on_device, choices[-1]), mode, **kw)
 
 
 def fitting_zenflow_at_batch(hw: Hardware, wl: Workload, **kw: Any) -> Prediction | None:

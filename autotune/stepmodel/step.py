@@ -187,9 +187,10 @@ def _memory(hw: Hardware, wl: Workload, mode: str, c: Any, cfg: Any, gpus: int,
 
 def memory_fits(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any = None,
                 sharding: str = "ddp", resident_fraction: float | None = None,
-                **settings: Any) -> bool:
+                device_only: bool = False, **settings: Any) -> bool:
     """Whether :func:`predict` would say the mode fits (device and host memory, and a mode
-    that runs this workload at all), without laying out its timeline."""
+    that runs this workload at all; ``device_only``: the device's memory alone), without
+    laying out its timeline."""
     cfg = zenflow_config(config, **settings)
     if mode == "overlapped-offload" and wl.micro_batches > 1:
         return False
@@ -199,7 +200,7 @@ def memory_fits(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config:
     c = gpu_costs(hw, wl, gpus, cfg.min_offload_numel,
                   cfg.dense_params if mode == "zenflow" else (), sharding)
     _, _, _, dev_fits, host_fits = _memory(hw, wl, mode, c, cfg, gpus, resident_fraction or 0.0)
-    return dev_fits and host_fits
+    return dev_fits and (host_fits or device_only)
 
 
 def _refused(hw: Hardware, wl: Workload, mode: str, K: int, why: str) -> Prediction:
