@@ -540,3 +540,22 @@ def test_where_the_host_binds_bf16_moments_are_searched_and_refused_unmeasured(d
         assert setting_key(point) != setting_key(entry["settings"])
         verdict = store.verdict(point)
         assert not verdict.measured and not verdict.passed
+
+
+def test_where_no_zenflow_setting_qualifies_the_tuner_names_what_to_run_instead(tmp_path,
+                                                                                monkeypatch):
+    """Llama-3-8B on a 24 GB card in a 128 GB desktop: no measured setting fits the host,
+    so the verdict names the fastest peer that fits and the software that runs it; every
+    peer mode the tuner may name has such a line."""
+    from autotune.modelled.outcome import PEER_SOFTWARE
+    assert set(PEER_SOFTWARE) == set(MD.PEER_MODES)
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path))
+    out = MD.run_modelled(profile=MD.profile_of("rtx4090-pcie4", host_memory_gb=128),
+                          model="llama3-8b", quality="real", loss="chunked",
+                          log=lambda s: None)
+    assert out.best is None
+    fastest = MD.fastest_peer(out)
+    assert fastest is not None
+    from autotune.modelled.report import peer_lines
+    text = "\n".join(peer_lines(out))
+    assert f"use {fastest[1]}" in text and PEER_SOFTWARE[fastest[1]] in text

@@ -14,6 +14,21 @@ from .grid import QualityPoint, QualityStore
 
 PEER_MODES = tuple(m for m in M.MODES if m != "zenflow")
 """The modes a pick is printed beside (AdamW, ZeRO-Offload and its variants, state-swap)."""
+PEER_SOFTWARE = {
+    "adamw": "torch.optim.AdamW on the GPU, nothing offloaded",
+    "zero-offload": ("DeepSpeed ZeRO-2 with offload_optimizer to the CPU, or this library "
+                     "with topk_ratio=0, update_interval=1, overlap=False"),
+    "zero-offload-dpu": ("ZeRO-Offload with its one-step delayed parameter update (the "
+                         "ZeRO-Offload paper's DPU)"),
+    "overlapped-offload": ("an exact AdamW stepped per layer inside backward with its state "
+                           "on the host, such as torchao's CPUOffloadOptimizer with "
+                           "offload_gradients=True (no gradient accumulation)"),
+    "state-swap": ("the Adam state kept on the host and streamed through the GPU every step: "
+                   "Megatron-LM's optimizer-state offload, NeMo-RL's "
+                   "optimizer_offload_fraction"),
+}
+"""What a user runs for each peer mode the tuner may name instead of ZenFlow
+(docs/stepmodel.md, "The modes")."""
 
 SPEED_TOLERANCE = 0.03
 """Among the eligible settings within this share of the fastest's throughput, the tuner

@@ -9,7 +9,7 @@ from ..objective import guard_summary
 from ..realquality import bar_limits
 from ..space import delay_steps
 from .grid import QualityStore
-from .outcome import SPEED_TOLERANCE, ModelledOutcome
+from .outcome import PEER_SOFTWARE, SPEED_TOLERANCE, ModelledOutcome
 
 
 # ---- reporting ---------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def peer_lines(out: ModelledOutcome) -> list[str]:
         if fastest is not None:
             v, m = fastest
             lines.append(f"no ZenFlow setting qualifies here: use {m} ({v:.3f} s/step, "
-                         "the fastest peer that fits)")
+                         f"the fastest peer that fits): {PEER_SOFTWARE.get(m, m)}")
         return lines
     t = out.best.step_time_s
     if fastest is not None and fastest[0] < t:
