@@ -68,6 +68,8 @@ def _settings(args: argparse.Namespace,
                                    ("select_interval", args.select_interval),
                                    ("apply_delay", args.apply_delay),
                                    ("accumulate_on", args.accumulate_on),
+                                   ("accumulator_dtype", args.accumulator_dtype),
+                                   ("host_state_dtype", args.host_state_dtype),
                                    ("stream_grads", args.stream_grads),
                                    ("dense_params", None if args.dense_params is None
                                     else tuple(args.dense_params))) if v is not None}
@@ -90,7 +92,8 @@ def _print_report(args: argparse.Namespace, hw: M.Hardware, wl: M.Workload, cfg:
               "all-gathered layers in flight and FSDP's own collectives are not modelled.")
     print(f"zenflow: topk_ratio={cfg.topk_ratio}, update_interval={cfg.update_interval}, "
           f"overlap={cfg.overlap}, apply_delay={cfg.effective_apply_delay}, "
-          f"accumulate_on={cfg.accumulate_on!r}, "
+          f"accumulate_on={cfg.accumulate_on!r}, accumulator_dtype="
+          f"{cfg.accumulator_dtype!r}, host_state_dtype={cfg.host_state_dtype!r}, "
           f"stream_grads={cfg.stream_grads}, dense_params={cfg.dense_params!r}. Device "
           f"memory counts the activations of one micro-batch "
           f"({'full recompute' if wl.recompute else 'no recompute'}; {LOSS_WORDS[wl.loss]}) "

@@ -56,6 +56,12 @@ def _add_predict_settings(pr: argparse.ArgumentParser) -> None:
                          "(default: the profile's, else off)")
     pr.add_argument("--accumulate-on", choices=("device", "host"), default=None,
                     help="ZenFlow accumulate_on (default: the profile's, else device)")
+    pr.add_argument("--accumulator-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="ZenFlow accumulator_dtype: the window sum's dtype (default: the "
+                         "profile's, else float32)")
+    pr.add_argument("--host-state-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="ZenFlow host_state_dtype: the host moments' dtype, bfloat16 halves "
+                         "them (default: the profile's, else float32)")
     pr.add_argument("--select-interval", type=_pos_int, default=None,
                     help="ZenFlow select_interval, a multiple of the update interval "
                          "(default: the profile's, else 16 windows)")

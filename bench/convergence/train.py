@@ -98,11 +98,13 @@ OPTIMIZERS: dict[str, dict[str, Any] | None] = {
     "zenflow-adaptive-dense-x1": dict(host_lr_scale="adaptive", update_interval=1),
     # what a 24 GB card can hold for a 7-8B model: the lean corner (the window summed on the
     # host in bf16, no dense set) at 1-2% of the columns on the device, with the pair's
-    # schedule, at windows of 2 and 4 (shorter than the 0.01 x 8 that fails on SmolLM2)
-    **{f"zenflow-lean-{k:g}x{ui}-window-delay1": dict(
+    # schedule, at windows of 2 and 4 (shorter than the 0.01 x 8 that fails on SmolLM2); and
+    # with the host moments in bf16, what fits a 128 GB desktop's host beside them
+    **{f"zenflow-lean-{k:g}x{ui}{tag}-window-delay1": dict(
         host_lr_scale="adaptive", accumulate_on="host", accumulator_dtype="bfloat16",
-        topk_ratio=k, update_interval=ui, host_betas="window", apply_delay=1, **_SPLIT)
-       for k in (0.01, 0.02) for ui in (2, 4)},
+        topk_ratio=k, update_interval=ui, host_betas="window", apply_delay=1, **_SPLIT,
+        **({"host_state_dtype": "bfloat16"} if tag else {}))
+       for k in (0.01, 0.02) for ui in (2, 4) for tag in ("", "-bf16state")},
     # torch's AdamW with fused=True: AdamW's arithmetic through another kernel (its results
     # differ from the for-loop's in the last bits). Its gap to "adamw" on the same seed is the
     # noise floor of a paired comparison, fp32 rounding amplified by training; not a ZenFlow
