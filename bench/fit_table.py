@@ -70,22 +70,47 @@ def peer_text(out: MD.ModelledOutcome, step: float | None = None) -> str:
     return f"{fastest[1]} {fastest[0]:.2f} s{ratio}"
 
 
-def compact_cell(out: MD.ModelledOutcome, tokens: int) -> str:
+def short_why(out: MD.ModelledOutcome, p) -> str:
+    """Why a peer's prediction does not fit, in a few words."""
+    hw = out.hardware
+    if p.step_time_s is None and p.host_memory_bytes == 0:
+        return "cannot accumulate micro-batches"
+    if hw.usable_device_bytes and p.device_memory_bytes > hw.usable_device_bytes:
+        return f"needs {p.device_memory_bytes / 1e9:.0f} GB of device memory"
+    if hw.usable_host_bytes and p.host_memory_bytes > hw.usable_host_bytes:
+        return (f"needs {p.host_memory_bytes / 1e9:.0f} GB of host memory "
+                f"({hw.usable_host_bytes / 1e9:.0f} usable)")
+    return "fits"
+
+
+def compact_cell(out: MD.ModelledOutcome, tokens: int, full: bool = False) -> str:
     """One batch's verdict in a few words: ZenFlow's pick and its step, or the peer to use."""
     b = out.best
     if b is not None:
         return (f"**{setting(b)}**: {b.step_time_s:.2f} s; {peer_text(out, b.step_time_s)}")
     fastest = MD.fastest_peer(out)
     fitting = [r for r in out.rows if r.fits]
+    unmeasured = (" (ZenFlow would fit with bf16 host moments, not yet measured)"
+                  if any("host_state_dtype='bfloat16' would fit" in n for n in out.notes)
+                  else "")
     if fastest is None:
-        host = min(((p.host_memory_bytes, m) for m, p in out.peers.items() if m != "adamw"),
-                   default=None)
-        usable = out.hardware.usable_host_bytes
-        return ("nothing fits" + (f": {host[1]} needs {host[0] / 1e9:.0f} GB of host memory"
-                                  f" ({usable / 1e9:.0f} usable)" if host and usable else ""))
+        if full:
+            return "no mode fits: " + ", ".join(
+                f"{m} {short_why(out, p)}" for m, p in out.peers.items() if m != "adamw"
+            ) + unmeasured
+        hw = out.hardware
+        on_device = [(p.host_memory_bytes, m) for m, p in out.peers.items()
+                     if m != "adamw" and p.host_memory_bytes > 0 and not (
+                         hw.usable_device_bytes
+                         and p.device_memory_bytes > hw.usable_device_bytes)]
+        if on_device and hw.usable_host_bytes:
+            need, m = min(on_device)
+            return (f"no mode fits the host: {m} needs {need / 1e9:.0f} GB "
+                    f"({hw.usable_host_bytes / 1e9:.0f} usable){unmeasured}")
+        return "no mode fits" + unmeasured
     reason = ("no measured ZenFlow setting fits" if not fitting else
               "ZenFlow's settings that fit fail the quality bar")
-    return f"use **{fastest[1]}** ({fastest[0]:.2f} s): {reason}"
+    return f"use **{fastest[1]}** ({fastest[0]:.2f} s): {reason}{unmeasured}"
 
 
 def full_row(card: str, host_gb: float | None, model: str, tokens: int,
@@ -93,7 +118,8 @@ def full_row(card: str, host_gb: float | None, model: str, tokens: int,
     head = f"| {model} | {card} | {f'{host_gb:g}' if host_gb else '-'} | {tokens} |"
     b = out.best
     if b is None:
-        return head + f" {why_not(out, tokens)} | - | - | {peer_text(out)} | - |"
+        return (head + f" {why_not(out, tokens)} | - | - | "
+                f"{compact_cell(out, tokens, full=True)} | - |")
     p, v = b.prediction, b.point.verdict
     return (head + f" {setting(b)}, {p.micro_batches} x {p.micro_batch_tokens} | "
             f"{p.device_memory_bytes / 1e9:.1f} / {p.host_memory_bytes / 1e9:.0f} | "
