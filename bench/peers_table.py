@@ -24,10 +24,11 @@ from autotune import stepmodel as M  # noqa: E402
 from zenflow_triton.profiles import list_profiles, load_profile  # noqa: E402
 
 
-def curve(model: str, profile: str, gpus: int, sharding: str) -> list[M.BatchPoint]:
+def curve(model: str, profile: str, gpus: int, sharding: str,
+          loss: str = "logits") -> list[M.BatchPoint]:
     prof = load_profile(profile)
     hw = M.Hardware.from_profile(prof)
-    wl = M.Workload.from_spec(model)
+    wl = M.Workload.from_spec(model).replace(loss=loss)
     return M.batch_curve(hw, wl, config=M.zenflow_config(prof.settings), gpus=gpus,
                          sharding=sharding, lean=True)
 
@@ -47,7 +48,8 @@ def _short(key: str, value) -> str:
     if key == "topk_ratio":
         return f"topk {value:g}"
     return {"accumulate_on": "summed on the host", "dense_params": "no dense set",
-            "stream_grads": "streamed", "accumulator_dtype": f"{value} sums"}.get(
+            "stream_grads": "streamed", "accumulator_dtype": f"{value} sums",
+            "host_state_dtype": f"{value} host moments"}.get(
                 key, f"{key}={value!r}")
 
 
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharding", choices=("ddp", "fsdp2"), default="ddp")
     ap.add_argument("--profiles", nargs="+", default=None,
                     help="built-in GPU profiles (default: all of them)")
+    ap.add_argument("--loss", choices=M.LOSSES, default="chunked",
+                    help="the loss's memory, for every mode alike (default chunked: "
+                         "zenflow_triton.causal_lm_loss; logits: an HF model's fp32 logits)")
     ap.add_argument("--plot", metavar="PNG", help="also draw the speed-up curves (matplotlib)")
     args = ap.parse_args(argv)
     names = args.profiles or [p.name for p in list_profiles()
@@ -70,15 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, {args.gpus} GPU(s) ({args.sharding}): ZenFlow's step time over the "
           "fastest peer's that fits (> 1: ZenFlow is faster), by tokens per optimizer step; "
           "each mode in its largest micro-batches that fit (at most 4096 tokens), device memory "
-          "with the activations of one micro-batch (full recompute, fp32 logits), 10% left "
-          "free")
+          f"with the activations of one micro-batch (full recompute, loss: {args.loss}), 10% "
+          "left free; host memory in full where the profile states the host's")
     print()
     heads = " | ".join(f"{t // 1024}k tokens" for t in M.CURVE_TOKENS)
     print(f"| profile (ZenFlow setting) | {heads} |")
     print("| --- |" + " --- |" * len(M.CURVE_TOKENS))
     curves = {}
     for name in names:
-        points = curve(args.model, name, args.gpus, args.sharding)
+        points = curve(args.model, name, args.gpus, args.sharding, args.loss)
         curves[name] = points
         cfg = M.zenflow_config(load_profile(name).settings)
         print(f"| `{name}` ({_setting(name)}) | " + " | ".join(cell(p, cfg) for p in points)
