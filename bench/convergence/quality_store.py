@@ -38,7 +38,7 @@ from study import WORKLOADS, _lr  # noqa: E402  (a row's lr, the study's own rul
 from autotune.realquality import FORMAT, STORE_PATH, setting_key  # noqa: E402
 
 SOURCES = ("convergence.json", "widened.json", "lr_sweep.json", "lr_sweep_2e5.json",
-           "widened2.json", "short_windows.json")
+           "widened2.json", "short_windows.json", "desktop_24gb.json")
 CORE = ("smollm2", "smollm2-bbc", "minilm", "minilm-rt", "minilm-tweets")
 """The workloads every setting class of the store is asked to have (2 seeds each)."""
 DESCRIBE = {
