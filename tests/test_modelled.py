@@ -535,9 +535,14 @@ def test_where_the_host_binds_bf16_moments_are_searched_and_refused_unmeasured(d
     note = next(n for n in out.notes if n.startswith("no grid point fits the host"))
     assert "host_state_dtype='bfloat16'" in note and "has not measured" in note, note
     store = load_store()
+    classes = {setting_key(e["settings"]) for e in store.entries.values()}
     for entry in store.entries.values():
+        if entry["settings"].get("host_state_dtype") == "bfloat16":
+            continue
         point = dict(entry["settings"], host_state_dtype="bfloat16")
         assert setting_key(point) != setting_key(entry["settings"])
+        if setting_key(point) in classes:  # measured as a class of its own: judged by its rows
+            continue
         verdict = store.verdict(point)
         assert not verdict.measured and not verdict.passed
 
