@@ -55,6 +55,15 @@ def assert_equal_params(model, want):
         assert torch.equal(a, b)
 
 
+def assert_both_end_at(want, *runs):
+    """Each ``(model, optimizer)`` of ``runs``, its host work done, holds ``want`` bit for
+    bit; the optimizers are closed."""
+    for m, o in runs:
+        o.synchronize()
+        assert_equal_params(m, want)
+        o.close()
+
+
 def tensors(sd_state: dict):
     """``(index, key, tensor)`` of every tensor of a state dict's per-param entries."""
     return [(i, k, v) for i, st in sd_state.items() if isinstance(st, dict)
@@ -109,10 +118,7 @@ def test_a_state_dict_held_while_the_source_trains_on_keeps_its_values(
     model2, opt2, sched2 = resumed(saved_model, sd, saved_sched, dtype, **cfg)
     train(model, opt, data[21:], sched)
     train(model2, opt2, data[13:], sched2)
-    for m, o in ((model, opt), (model2, opt2)):
-        o.synchronize()
-        assert_equal_params(m, want)
-        o.close()
+    assert_both_end_at(want, (model, opt), (model2, opt2))
 
 
 def test_a_state_dict_saved_by_a_background_thread_while_training_goes_on(slow_host):
@@ -148,10 +154,7 @@ def test_a_state_dict_saved_by_a_background_thread_while_training_goes_on(slow_h
     model2, opt2, sched2 = resumed(saved["model"], saved["opt"], saved["sched"], torch.float32)
     train(model2, opt2, data[13:], sched2)
     train(model, opt, data[21:], sched)
-    for m, o in ((model, opt), (model2, opt2)):
-        o.synchronize()
-        assert_equal_params(m, want)
-        o.close()
+    assert_both_end_at(want, (model, opt), (model2, opt2))
 
 
 @pytest.mark.parametrize("accumulate_on,dtype", [("device", torch.bfloat16),
@@ -199,10 +202,7 @@ def test_an_in_memory_resume_with_overlap_equals_the_uninterrupted_run(slow_host
         for x in data[cut:]:
             train(model, opt, [x], sched)
             train(model2, opt2, [x], sched2)
-        for m, o in ((model, opt), (model2, opt2)):
-            o.synchronize()
-            assert_equal_params(m, want)
-            o.close()
+        assert_both_end_at(want, (model, opt), (model2, opt2))
 
 
 def test_state_is_copied_only_while_a_state_dict_is_held():
