@@ -51,7 +51,7 @@ def setting(row: MD.ModelledRow) -> str:
             f"{MD.device_side(s)}")
 
 
-def why_not(out: MD.ModelledOutcome, tokens: int) -> str:
+def why_not(out: MD.ModelledOutcome) -> str:
     """Why the tuner picked no ZenFlow setting: the rows that fit but failed the bar, or
     that nothing measured fits (the model's notes say which memory)."""
     fitting = [r for r in out.rows if r.fits]
@@ -83,11 +83,17 @@ def short_why(out: MD.ModelledOutcome, p) -> str:
     return "fits"
 
 
-def compact_cell(out: MD.ModelledOutcome, tokens: int, full: bool = False) -> str:
+def compact_cell(out: MD.ModelledOutcome) -> str:
     """One batch's verdict in a few words: ZenFlow's pick and its step, or the peer to use."""
     b = out.best
     if b is not None:
-        return (f"**{setting(b)}**: {b.step_time_s:.2f} s; {peer_text(out, b.step_time_s)}")
+        return f"**{setting(b)}**: {b.step_time_s:.2f} s; {peer_text(out, b.step_time_s)}"
+    return peer_verdict(out, full=False)
+
+
+def peer_verdict(out: MD.ModelledOutcome, full: bool) -> str:
+    """Where no ZenFlow setting qualifies: the peer to use and why, or why no mode fits
+    (``full``: every mode's reason; otherwise the one closest to fitting the host)."""
     fastest = MD.fastest_peer(out)
     fitting = [r for r in out.rows if r.fits]
     unmeasured = (" (ZenFlow would fit with bf16 host moments, not yet measured)"
@@ -118,8 +124,7 @@ def full_row(card: str, host_gb: float | None, model: str, tokens: int,
     head = f"| {model} | {card} | {f'{host_gb:g}' if host_gb else '-'} | {tokens} |"
     b = out.best
     if b is None:
-        return (head + f" {why_not(out, tokens)} | - | - | "
-                f"{compact_cell(out, tokens, full=True)} | - |")
+        return (head + f" {why_not(out)} | - | - | {peer_verdict(out, full=True)} | - |")
     p, v = b.prediction, b.point.verdict
     return (head + f" {setting(b)}, {p.micro_batches} x {p.micro_batch_tokens} | "
             f"{p.device_memory_bytes / 1e9:.1f} / {p.host_memory_bytes / 1e9:.0f} | "
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 ram = f"{host_gb:g} GB" if host_gb else "-"
                 print(f"| {model} | {card} | {ram} | "
-                      + " | ".join(compact_cell(o, t) for o, t in zip(outs, args.tokens))
+                      + " | ".join(compact_cell(o) for o in outs)
                       + " |", flush=True)
     return 0
 

@@ -781,6 +781,23 @@ def test_fastlink_table_reproduces_what_a_fast_link_changes():
     assert vs_dpu[("32", "7.2")] > 1.0 > vs_dpu[("450", "28.8")]
 
 
+def test_bf16_host_moments_are_zenflow_s_alone_the_peers_keep_fp32_moments():
+    """``host_state_dtype`` is a ZenFlow setting: DeepSpeed's CPU Adam keeps its moments in
+    its fp32 master's dtype, and per-layer offload runs torch's AdamW on fp32 host copies,
+    so neither peer's host memory shrinks with it (a peer must not fit by ZenFlow's option)."""
+    h = S.Hardware.from_profile("rtx4090-pcie4")
+    wl = S.Workload.from_preset("llama3-8b", tokens=2048)
+    for mode in ("zero-offload", "zero-offload-dpu", "overlapped-offload", "state-swap"):
+        fp32 = S.predict(h, wl, mode, topk_ratio=0.01, update_interval=4)
+        bf16 = S.predict(h, wl, mode, topk_ratio=0.01, update_interval=4,
+                         host_state_dtype="bfloat16")
+        assert bf16.memory["host"] == fp32.memory["host"], mode
+    fp32 = S.predict(h, wl, "zenflow", topk_ratio=0.01, update_interval=4)
+    bf16 = S.predict(h, wl, "zenflow", topk_ratio=0.01, update_interval=4,
+                     host_state_dtype="bfloat16")
+    assert bf16.host_memory_bytes < fp32.host_memory_bytes
+
+
 def test_a_zenflow_prediction_over_the_host_names_the_leaner_host_settings():
     """Llama-3-8B on a 128 GB desktop: the note gives each leaner host setting's host GB
     (as its own prediction counts it) and says which fit."""

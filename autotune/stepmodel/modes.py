@@ -175,10 +175,12 @@ def zero_offload_host(mode: str, wl: Workload, c: Costs, cfg: Any,
       several micro-batches, the gradient sum between them in the param dtype, pinned
       (``accumulated_grads_in_cpu``, ``async_accumulate_grad_in_cpu_via_gpu``). Its fp32
       master and moments are the library's own terms (``single_partition_of_fp32_groups``,
-      the CPU Adam's ``exp_avg`` and ``exp_avg_sq``)."""
+      the CPU Adam's ``exp_avg`` and ``exp_avg_sq``, fp32 whatever ``host_state_dtype``
+      ZenFlow is given: the CPU Adam keeps its moments in its params' dtype, the fp32
+      master's)."""
     n, b = c.n_gpus, c.b
     own = cfg.replace(topk_ratio=0.0, update_interval=1, overlap=mode == "zero-offload-dpu",
-                      stream_grads=False, apply_delay=None)
+                      stream_grads=False, apply_delay=None, host_state_dtype="float32")
     mats = [(p.shape[0] / n, p.cols, 0, b) for p in wl.params
             if p.is_matrix(cfg.min_offload_numel, ())]
     out = {k: v for k, v in host_terms(mats, own, threads=threads, cuda=True,
@@ -197,9 +199,7 @@ def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
                              **activation_bytes(wl, wl.recompute)}
     host: dict[str, float] = {}
     P = sum(c.matrix)
-    s = DTYPE_BYTES[cfg.host_state_dtype]
     scratch = threads * SCRATCH_BYTES_PER_THREAD
-    moment_scratch = 2 * scratch if s < 4 else 0
     if mode == "adamw":
         dev["optimizer state (sharded 1/N)"] = c.total * master / n
     else:
@@ -211,9 +211,9 @@ def memory_use(mode: str, wl: Workload, c: Costs, cfg: Any, threads: int,
         host["Adam state, pinned (sharded 1/N)"] = P / n * (1.0 - resident) * sb
     if mode in ("zero-offload", "zero-offload-dpu"):
         host.update(zero_offload_host(mode, wl, c, cfg, threads))
-    if mode == "overlapped-offload":
-        host["master + moments"] = P / n * (4 + 2 * s)
-        host["worker scratch"] = scratch + moment_scratch
+    if mode == "overlapped-offload":  # torch's AdamW on fp32 host copies: fp32 moments
+        host["master + moments"] = P / n * (4 + 2 * 4)
+        host["worker scratch"] = scratch
         largest = max(c.matrix) / n
         host["per-layer staging (2 buffers each way)"] = 2 * largest * 2 * b
     elif mode == "zenflow":
