@@ -11,7 +11,8 @@
   runs, with the reason (``NOT_RUN``: benchmarks, studies, installs): a newly documented
   command must be registered, and a registry entry nobody documents any more is stale;
 * the reference pages cover what they claim: every ``ZenFlowConfig`` field, every key of
-  ``stats()``, every ``zenflow-tune`` subcommand and option.
+  ``stats()``, every ``zenflow-tune`` subcommand and option;
+* the README's "Fit my GPU" table is what ``bench/fit_table.py`` prints today (one row).
 """
 
 from __future__ import annotations
@@ -227,6 +228,26 @@ def test_the_command_registry_is_current():
     for prefix, test in RUN_BY.items():
         path, _, name = test.partition("::")
         assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), (prefix, test)
+
+
+def test_the_readme_fit_table_is_what_the_tuner_says_now():
+    """README "Fit my GPU" is ``bench/fit_table.py``'s output, not a copy that goes stale when
+    the quality store or the step model moves: the row of the card this library is for (Llama-3-8B
+    on an RTX 4090 in a 128 GB desktop, both batches) is regenerated and compared."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fit_table", ROOT / "bench" / "fit_table.py")
+    ft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ft)
+    card, profile, device_gb, host_gb = ft.DESKTOP[0]
+    assert (card, host_gb) == ("RTX 4090", 128.0)
+    cells = [ft.compact_cell(ft.outcome(profile, device_gb, host_gb, "llama3-8b", t,
+                                        ft.MD.DEFAULT_BAR, loss="chunked"))
+             for t in ft.BATCHES]
+    row = f"| llama3-8b | {card} | {host_gb:g} GB | " + " | ".join(cells) + " |"
+    readme = (ROOT / "README.md").read_text().splitlines()
+    shown = [line for line in readme if line.startswith(f"| llama3-8b | {card} | {host_gb:g} GB |")]
+    assert shown == [row], "README is stale: rerun python bench/fit_table.py"
 
 
 def test_the_side_by_side_example_runs(tmp_path):
