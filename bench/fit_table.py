@@ -48,7 +48,7 @@ def setting(row: MD.ModelledRow) -> str:
     return (f"{s['topk_ratio']:g} x {s['update_interval']}"
             f"{', delay ' + str(s['apply_delay']) if s.get('apply_delay') else ''}"
             f"{', window betas' if s.get('host_betas') == 'window' else ''}, "
-            f"{MD.device_side(s)}")
+            f"{MD.memory_side(s)}")
 
 
 def why_not(out: MD.ModelledOutcome) -> str:

@@ -446,7 +446,7 @@ def test_lean_points_are_trained_only_where_nothing_plain_fits_and_only_those_th
     if saved["update_interval"] > 1:
         assert saved["accumulate_on"] == "host"
     table = MD.format_modelled_table(out)
-    assert "device side" in table and "lean" in table
+    assert "memory side" in table and "lean" in table
 
 
 def test_lean_can_be_forced_or_refused(dirs, fake):
@@ -523,18 +523,31 @@ def test_the_tuner_never_ranks_or_saves_streaming_where_the_optimizer_refuses_it
         assert not load_profile("many").settings.get("stream_grads")
 
 
-def test_where_the_host_binds_bf16_moments_are_searched_and_refused_unmeasured(dirs):
-    """Llama-3-8B on a 24 GB card in a 128 GB desktop: no measured setting fits the host; the
-    lean search tries host_state_dtype="bfloat16", and the real-model quality gate (whose key
-    holds host_state_dtype) refuses it because the store has not measured it."""
+def test_where_the_host_binds_the_measured_bf16_moment_class_is_picked_and_pinned(dirs):
+    """Llama-3-8B on a 24 GB card in a 128 GB desktop: with fp32 host moments no measured
+    setting fits the host. A class the store measured with bf16 host moments is a point of its
+    own, judged by its own rows: the tuner ranks it with those moments (so its host memory
+    is what fits), picks it, and the saved profile pins them. The bf16 variant of any other
+    class is unmeasured: the quality gate (whose key holds host_state_dtype) refuses it."""
     from autotune.realquality import load_store, setting_key
-    prof = MD.profile_of("rtx4090-pcie4", host_memory_gb=128)
-    out = MD.run_modelled(profile=prof, model="llama3-8b", tokens=2048, quality="real",
-                          log=quiet)
-    assert out.best is None
-    note = next(n for n in out.notes if n.startswith("no grid point fits the host"))
-    assert "host_state_dtype='bfloat16'" in note and "has not measured" in note, note
     store = load_store()
+    bf16 = [e for e in store.entries.values()
+            if e["settings"].get("host_state_dtype") == "bfloat16"
+            and store.verdict(e["settings"]).passed]
+    assert bf16, "the store has no passing class with bf16 host moments"
+    prof = MD.profile_of("rtx4090-pcie4", host_memory_gb=128)
+    out = MD.run_modelled(profile=prof, model="llama3-8b", quality="real", loss="chunked",
+                          save_as="desk", log=quiet)
+    assert out.best is not None
+    assert out.best.settings["host_state_dtype"] == "bfloat16"
+    assert out.best.point.verdict.passed
+    assert setting_key(out.best.point.settings) in {setting_key(e["settings"]) for e in bf16}
+    hw = out.hardware
+    assert out.best.prediction.host_memory_bytes <= hw.usable_host_bytes
+    fp32 = SM.predict_fitting(hw, out.workload, "zenflow",
+                              config=dict(out.best.settings, host_state_dtype="float32"))
+    assert fp32.host_memory_bytes > hw.usable_host_bytes  # what the bf16 moments buy
+    assert load_profile("desk").settings["host_state_dtype"] == "bfloat16"
     classes = {setting_key(e["settings"]) for e in store.entries.values()}
     for entry in store.entries.values():
         if entry["settings"].get("host_state_dtype") == "bfloat16":
@@ -549,14 +562,14 @@ def test_where_the_host_binds_bf16_moments_are_searched_and_refused_unmeasured(d
 
 def test_where_no_zenflow_setting_qualifies_the_tuner_names_what_to_run_instead(tmp_path,
                                                                                 monkeypatch):
-    """Llama-3-8B on a 24 GB card in a 128 GB desktop: no measured setting fits the host,
-    so the verdict names the fastest peer that fits and the software that runs it; every
-    peer mode the tuner may name has such a line."""
+    """Llama-3-8B on a 24 GB card in a 128 GB desktop, held to the defaults' bar: no measured
+    setting that fits the host passes it, so the verdict names the fastest peer that fits
+    and the software that runs it; every peer mode the tuner may name has such a line."""
     from autotune.modelled.outcome import PEER_SOFTWARE
     assert set(PEER_SOFTWARE) == set(MD.PEER_MODES)
     monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path))
     out = MD.run_modelled(profile=MD.profile_of("rtx4090-pcie4", host_memory_gb=128),
-                          model="llama3-8b", quality="real", loss="chunked",
+                          model="llama3-8b", quality="real", loss="chunked", bar="default",
                           log=lambda s: None)
     assert out.best is None
     fastest = MD.fastest_peer(out)

@@ -240,11 +240,15 @@ def test_the_tiny_lm_verdict_says_it_is_a_demo(dirs, capsys, monkeypatch):
 
 
 def test_a_profile_setting_the_store_never_ran_is_not_judged_by_it(dirs):
-    """Settings outside the grid that change the arithmetic (bf16 host moments here) are part
-    of a point's identity: a base profile with them leaves every store entry unmeasured."""
+    """Settings outside the grid that change the arithmetic are part of a point's identity: a
+    base profile with bf16 host moments is judged only by the classes that ran with them (each
+    such point says so), and a base with a warmup no row ran with leaves every entry
+    unmeasured."""
     plain = MD.real_quality_store(None, "tuned")
     odd = MD.real_quality_store(None, "tuned", base={"host_state_dtype": "bfloat16"})
-    assert plain.points and not odd.points
+    assert plain.points and len(odd.points) < len(plain.points)
+    assert all(p.settings.get("host_state_dtype") == "bfloat16" for p in odd.points)
+    assert not MD.real_quality_store(None, "tuned", base={"warmup_steps": 7}).points
 
 
 def test_lean_no_leaves_the_lean_settings_out(dirs):

@@ -163,10 +163,10 @@ def test_the_curve_names_the_fastest_peer_and_its_ratio():
     assert "ZenFlow is" in S.verdict(pts)
 
 
-def _row(throughput, topk, interval):
+def _row(throughput, topk, interval, **more):
     from types import SimpleNamespace
     return SimpleNamespace(throughput=throughput, prediction=SimpleNamespace(
-        settings={"topk_ratio": topk, "update_interval": interval}))
+        settings={"topk_ratio": topk, "update_interval": interval, **more}))
 
 
 def test_the_tuner_takes_the_shortest_window_where_speed_is_free():
@@ -179,6 +179,11 @@ def test_the_tuner_takes_the_shortest_window_where_speed_is_free():
     assert quality_first(rows) is near_more_columns   # interval 2, the larger topk_ratio
     assert quality_first([fastest, too_slow]) is fastest
     assert quality_first([]) is None
+    # the same point with bf16 host moments and with fp32 ones, both fitting: the exact one
+    bf16 = _row(1000.0, 0.1, 4, host_state_dtype="bfloat16")
+    fp32 = _row(995.0, 0.1, 4, host_state_dtype="float32")
+    assert quality_first([bf16, fp32]) is fp32
+    assert quality_first([bf16]) is bf16
 
 
 def test_the_modelled_tuner_ranks_at_the_users_batch(capsys, tmp_path, monkeypatch):

@@ -408,7 +408,8 @@ def _report_modelled(out: MD.ModelledOutcome, top: int) -> int:
     print(f"\nchosen: topk_ratio={b.point.settings['topk_ratio']:g}, update_interval="
           f"{b.point.settings['update_interval']}, select_interval="
           f"{b.point.settings['select_interval']}, apply_delay="
-          f"{b.point.settings.get('apply_delay')}: {b.throughput:,.0f} tokens/s per GPU "
+          f"{b.point.settings.get('apply_delay')} ({MD.memory_side(b.settings)}): "
+          f"{b.throughput:,.0f} tokens/s per GPU "
           f"(modelled, {b.step_time_s:.3f} s/step, stall {b.prediction.stall_fraction:.0%})")
     if out.profile_path is not None:
         print(f"saved profile {out.profile.name!r} to {out.profile_path}")

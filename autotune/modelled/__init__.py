@@ -35,7 +35,8 @@ from .provenance import default_save_name, modelled_profile, modelled_provenance
 from .quality_study import (MAX_ATTEMPTS, default_quality_settings, quality_study_name,
                             run_quality_grid)
 from .rank import load_hardware, profile_of, quality_first, rank_points, run_modelled
-from .report import device_side, fastest_peer, format_modelled_table, guard_line, peer_lines
+from .report import (device_side, fastest_peer, format_modelled_table, guard_line,
+                     memory_side, peer_lines)
 from .store import real_quality_store
 
 __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "QualityPoint",
@@ -44,4 +45,4 @@ __all__ = ["QUALITY_TOPK_RATIOS", "QUALITY_UPDATE_INTERVALS", "QualityGrid", "Qu
            "rank_points", "run_modelled", "modelled_profile", "format_modelled_table",
            "QUALITY_KEYS", "guard_line", "real_quality_store", "peer_lines", "fastest_peer",
            "is_lean", "PEER_MODES", "modelled_provenance", "default_save_name", "load_hardware",
-           "SPEED_TOLERANCE", "quality_first"]
+           "SPEED_TOLERANCE", "quality_first", "device_side", "memory_side"]

@@ -81,13 +81,16 @@ def quality_first(eligible: list[ModelledRow],
                   tolerance: float = SPEED_TOLERANCE) -> ModelledRow | None:
     """The pick among ``eligible`` rows (fastest first): of those within ``tolerance`` of the
     fastest's throughput, the shortest ``update_interval``, then the largest ``topk_ratio``,
+    then fp32 host moments over bf16 ones (the exact arithmetic where the host has room),
     then the fastest."""
     if not eligible:
         return None
     floor = eligible[0].throughput * (1.0 - tolerance)
     near = [r for r in eligible if r.throughput >= floor]
     return min(near, key=lambda r: (r.prediction.settings["update_interval"],
-                                    -r.prediction.settings["topk_ratio"], -r.throughput))
+                                    -r.prediction.settings["topk_ratio"],
+                                    r.prediction.settings.get("host_state_dtype") == "bfloat16",
+                                    -r.throughput))
 
 
 def rank_points(store: QualityStore, hw: M.Hardware, wl: M.Workload, *, gpus: int = 1,

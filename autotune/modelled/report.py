@@ -57,7 +57,7 @@ def _ranked_rows(out: ModelledOutcome, top: int) -> list[str]:
     quality = (f"{'dloss':>8} {'dacc':>6}" if real else f"{'loss':>7} {'limit':>7}")
     head = (f"{'rank':>4} {'tokens/s':>10} {'vs zero-off':>11} {'step s':>7} {'stall':>6} "
             f"{quality} {'topk':>6} {'upd':>4} {'sel':>5} {'delay':>5} "
-            + (f"{'betas':<6} " if betas else "") + f"{'device side':<14}")
+            + (f"{'betas':<6} " if betas else "") + f"{'memory side':<14}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(out.eligible[:top], 1):
         s = r.point.settings
@@ -71,7 +71,7 @@ def _ranked_rows(out: ModelledOutcome, top: int) -> list[str]:
             f"{r.step_time_s:>7.3f} {r.prediction.stall_fraction:>6.0%} {q} "
             f"{s['topk_ratio']:>6.3g} {s['update_interval']:>4} {s['select_interval']:>5} "
             f"{delay_steps(s):>5} " + (f"{s.get('host_betas', 'step'):<6} " if betas else "")
-            + f"{device_side(r.settings):<14}")
+            + f"{memory_side(r.settings):<14}")
     if not out.eligible:
         lines.append("  (no feasible point fits)")
     return lines
@@ -164,6 +164,13 @@ def device_side(settings: dict[str, Any]) -> str:
     acc = "bf16" if settings.get("accumulator_dtype") == "bfloat16" else "fp32"
     where = "host" if settings.get("accumulate_on") == "host" else "dev"
     return f"{dense} {where}-{acc}{stream}"
+
+
+def memory_side(settings: dict[str, Any]) -> str:
+    """:func:`device_side`, and ``bf16-moments`` where the host moments are bf16 (what the
+    host's memory needs)."""
+    moments = " bf16-moments" if settings.get("host_state_dtype") == "bfloat16" else ""
+    return device_side(settings) + moments
 
 
 def guard_line(store: QualityStore) -> str:

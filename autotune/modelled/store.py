@@ -19,7 +19,8 @@ def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
     """Quality points from the real-model store (:mod:`autotune.realquality`), nothing
     trained: with ``grid``, its points, less those the store has not measured (listed in
     ``real.unmeasured``, never interpolated); without, every setting class the store has
-    measured on its core workloads (``lean=False``: not the lean ones). A point is feasible
+    measured on its core workloads (``lean=False``: not the lean ones), each with the
+    host moments' dtype it ran with (:data:`HOST_MEMORY_KEYS`). A point is feasible
     when it passed ``bar`` on every workload it was measured on. ``base``: the profile's
     settings under the points; those of :data:`~autotune.realquality.OTHER_ARITHMETIC` it
     sets are part of every point's identity (a profile with bf16 host moments is not judged
@@ -57,10 +58,21 @@ def real_quality_store(grid: QualityGrid | None = None, bar: str = DEFAULT_BAR,
                         trials_run=0, real=RealSource(store=rs, bar=bar, unmeasured=unmeasured))
 
 
+HOST_MEMORY_KEYS = {"host_state_dtype": "float32"}
+"""Settings outside the searched grid (:data:`~autotune.realquality.OTHER_ARITHMETIC`) that a
+measured class brings into its point where it ran with other than the default given here:
+bf16 host moments are what a desktop's host memory may need, and the tuner may pick them
+only as measured (the point is judged by the rows that ran with them, and a saved profile
+pins them)."""
+
+
 def _quality_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings``' :data:`QUALITY_KEYS` as ``ZenFlowConfig`` resolves them (a grid point)."""
+    """``settings``' :data:`QUALITY_KEYS` as ``ZenFlowConfig`` resolves them (a grid point),
+    with its :data:`HOST_MEMORY_KEYS` where they are not the default."""
     from zenflow_triton.config import ZenFlowConfig
 
     cfg = ZenFlowConfig(**{k: v for k, v in settings.items() if k in QUALITY_KEYS})
+    host = {k: settings[k] for k, default in HOST_MEMORY_KEYS.items()
+            if settings.get(k, default) != default}
     return dict({k: getattr(cfg, k) for k in QUALITY_KEYS},
-                select_interval=cfg.effective_select_interval)
+                select_interval=cfg.effective_select_interval, **host)
