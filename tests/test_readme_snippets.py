@@ -108,6 +108,35 @@ hf = model(**batch).loss.detach()
 assert abs(loss.item() - hf.item()) <= loss_rounding(model, ids, hf), (loss.item(), hf.item())
 """
 
+# docs/howto-24gb.md, "On a 24 GB desktop": the small batch's pick written out, on a tiny
+# Llama; what it sets is what the built-in desktop profile (the tuner's pick) holds.
+PRELUDES["desktop-written-out"] = """
+import torch
+from zenflow_triton import ZenFlowOptimizer
+from tests.test_loss import batch as _batch, tiny_llama
+
+model = tiny_llama()
+"""
+CHECKS["desktop-written-out"] = """
+import dataclasses, math
+from zenflow_triton.profiles import load_profile
+picked = load_profile("rtx4090-pcie4").settings
+given = {k: getattr(opt.config, k) for k in ("topk_ratio", "update_interval", "accumulate_on",
+         "accumulator_dtype", "host_state_dtype", "host_betas", "apply_delay", "stream_grads")}
+assert given == {k: picked[k] for k in given}, (given, picked)
+assert tuple(opt.config.dense_params) == tuple(picked["dense_params"]) == ()
+for step in range(8):
+    ids, labels = _batch(step)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+opt.synchronize()
+st = opt.stats()
+assert st["host_updates"] > 0 and math.isfinite(loss.item()), st
+opt.close()
+"""
+
 # The pages snippets may live on: the README and every page under docs/.
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -157,6 +186,11 @@ def test_readme_usage_example_runs(tmp_path):
 def test_switching_from_adamw_and_back_runs(tmp_path):
     assert "<!-- snippet: switch -->" in (ROOT / "docs" / "howto-switch.md").read_text()
     run_snippet("switch", tmp_path)
+
+
+def test_the_desktop_s_written_out_setting_is_the_tuner_s_and_trains(tmp_path):
+    assert "<!-- snippet: desktop-written-out -->" in (ROOT / "docs" / "howto-24gb.md").read_text()
+    run_snippet("desktop-written-out", tmp_path)
 
 
 @pytest.mark.parametrize("name", ["chunked-loss", "chunked-loss-torch"])
