@@ -101,7 +101,7 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
                                                            or r.point.heldout_loss <= ceiling)]
             out = MD.ModelledOutcome(store=store, hardware_profile=prof, hardware=hw,
                                      workload=wl, gpus=gpus, rows=rows,
-                                     best=eligible[0] if eligible else None, zero_offload=zo,
+                                     best=MD.quality_first(eligible), zero_offload=zo,
                                      peers=SM.predict_all(hw, wl, gpus=gpus, config=cfg,
                                                           modes=MD.PEER_MODES))
             if out.best is not None:
@@ -131,7 +131,8 @@ def regenerate(names: list[str] | None, model: str, fallback: list[str], gpus: i
         settings = dict(doc["settings"])
         settings.pop("fresh_if_spread", None)  # the point's say (pinned off where its switch
         settings.update(out.best.point.settings)  # on a spread gradient did not pass)
-        for key in ("accumulate_on", "stream_grads"):  # what made it fit (rank_points)
+        # what made it fit (rank_points), and the host moments it was measured with
+        for key in ("accumulate_on", "stream_grads", "host_state_dtype"):
             if key in out.best.settings:
                 settings[key] = out.best.settings[key]
         if out.best.point.settings.get("apply_delay") is None:  # the default: not written

@@ -560,6 +560,22 @@ def test_where_the_host_binds_the_measured_bf16_moment_class_is_picked_and_pinne
         assert not verdict.measured and not verdict.passed
 
 
+def test_a_base_profile_s_bf16_moments_do_not_carry_over_to_points_measured_without_them():
+    """Ranking over a base profile that holds bf16 host moments (a desktop profile saved
+    earlier): each point is predicted, and would be saved, with the host moments its quality
+    was measured with, so an fp32-measured point cannot fit the host by the base's moments."""
+    store = MD.real_quality_store(None, "tuned")
+    hw = SM.Hardware.from_profile(MD.profile_of("rtx4090-pcie4", host_memory_gb=128))
+    wl = SM.Workload.from_preset("llama3-8b", tokens=4096).replace(loss="chunked")
+    rows = MD.rank_points(store, hw, wl, base_settings={"host_state_dtype": "bfloat16"})
+    assert {r.settings["host_state_dtype"] for r in rows} == {"float32", "bfloat16"}
+    for r in rows:
+        assert r.settings["host_state_dtype"] == r.point.settings.get("host_state_dtype",
+                                                                      "float32")
+        assert r.prediction.settings["host_state_dtype"] == r.settings["host_state_dtype"]
+    assert all(r.settings["host_state_dtype"] == "bfloat16" for r in rows if r.eligible)
+
+
 def test_where_no_zenflow_setting_qualifies_the_tuner_names_what_to_run_instead(tmp_path,
                                                                                 monkeypatch):
     """Llama-3-8B on a 24 GB card in a 128 GB desktop, held to the defaults' bar: no measured

@@ -22,7 +22,7 @@ from .grid import LEAN_POINT, ModelledError, QualityGrid, QualityStore
 from .outcome import PEER_MODES, SPEED_TOLERANCE, ModelledOutcome, ModelledRow
 from .provenance import modelled_profile
 from .quality_study import default_quality_settings, run_quality_grid
-from .store import real_quality_store
+from .store import HOST_MEMORY_KEYS, real_quality_store
 
 
 def profile_of(value: str | Profile, device_memory_gb: float | None = None,
@@ -275,9 +275,15 @@ def refused(settings: dict[str, Any], where: dict[str, Any]) -> str | None:
 
 
 def _over(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
+    """A point's settings over the base's. What the point's quality was measured with is the
+    point's to say, not the base's: its ``apply_delay`` (None: the default schedule) and its
+    host moments' dtype (:data:`~autotune.modelled.store.HOST_MEMORY_KEYS`; a base profile with
+    bf16 moments must not make an fp32-measured point fit the host)."""
     settings = dict(base)
     settings.update(point)
     settings["apply_delay"] = point.get("apply_delay")  # a point without one: None
+    for key, default in HOST_MEMORY_KEYS.items():
+        settings[key] = point.get(key, default)
     return settings
 
 
