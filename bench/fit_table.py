@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     cards = CARDS[args.cards]
     if args.full:
         print("| model | card | host RAM GB | tokens per step | tuner's setting (topk x "
-              "interval, device side, micro-batches) | device / host GB | step s (model) | "
+              "interval, memory side, micro-batches) | device / host GB | step s (model) | "
               "fastest peer that fits (model) | measured quality: loss vs AdamW (nats) / "
               "accuracy, per workload |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
