@@ -119,6 +119,13 @@ def peer_verdict(out: MD.ModelledOutcome, full: bool) -> str:
     return f"use **{fastest[1]}** ({fastest[0]:.2f} s): {reason}{unmeasured}"
 
 
+def compact_row(model: str, card: str, host_gb: float | None,
+                outs: list[MD.ModelledOutcome]) -> str:
+    """The README's row of one model and card: a cell per batch."""
+    ram = f"{host_gb:g} GB" if host_gb else "-"
+    return f"| {model} | {card} | {ram} | " + " | ".join(compact_cell(o) for o in outs) + " |"
+
+
 def full_row(card: str, host_gb: float | None, model: str, tokens: int,
              out: MD.ModelledOutcome) -> str:
     head = f"| {model} | {card} | {f'{host_gb:g}' if host_gb else '-'} | {tokens} |"
@@ -165,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 for t, out in zip(args.tokens, outs):
                     print(full_row(card, host_gb, model, t, out), flush=True)
             else:
-                ram = f"{host_gb:g} GB" if host_gb else "-"
-                print(f"| {model} | {card} | {ram} | "
-                      + " | ".join(compact_cell(o) for o in outs)
-                      + " |", flush=True)
+                print(compact_row(model, card, host_gb, outs), flush=True)
     return 0
 
 

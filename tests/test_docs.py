@@ -241,10 +241,9 @@ def test_the_readme_fit_table_is_what_the_tuner_says_now():
     spec.loader.exec_module(ft)
     card, profile, device_gb, host_gb = ft.DESKTOP[0]
     assert (card, host_gb) == ("RTX 4090", 128.0)
-    cells = [ft.compact_cell(ft.outcome(profile, device_gb, host_gb, "llama3-8b", t,
-                                        ft.MD.DEFAULT_BAR, loss="chunked"))
-             for t in ft.BATCHES]
-    row = f"| llama3-8b | {card} | {host_gb:g} GB | " + " | ".join(cells) + " |"
+    outs = [ft.outcome(profile, device_gb, host_gb, "llama3-8b", t, ft.MD.DEFAULT_BAR,
+                       loss="chunked") for t in ft.BATCHES]
+    row = ft.compact_row("llama3-8b", card, host_gb, outs)
     readme = (ROOT / "README.md").read_text().splitlines()
     shown = [line for line in readme if line.startswith(f"| llama3-8b | {card} | {host_gb:g} GB |")]
     assert shown == [row], "README is stale: rerun python bench/fit_table.py"
