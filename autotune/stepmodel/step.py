@@ -28,9 +28,9 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     e.g. ``topk_ratio=0.1, update_interval=4, overlap=True, accumulate_on="device"``) are the
     ZenFlow settings; the other modes use only ``min_offload_numel`` and ``host_threads``
     from them (which params stay on the device, scratch): their host moments are fp32, as
-    their software keeps them, whatever ``host_state_dtype`` says. ``sharding``: ``"ddp"`` (each GPU holds the whole model) or ``"fsdp2"``
-    (``fully_shard``: each GPU holds 1/N of the params, gradients and device state, and
-    updates only its rows). ``resident_fraction``: the share of the Adam state that
+    their software keeps them, whatever ``host_state_dtype`` says. ``sharding``: ``"ddp"``
+    (each GPU holds the whole model) or ``"fsdp2"`` (``fully_shard``: each GPU holds 1/N of
+    the params, gradients and device state, and updates only its rows). ``resident_fraction``: the share of the Adam state that
     ``"state-swap"`` keeps on the device (NeMo-RL's ``1 - optimizer_offload_fraction``);
     None: the most that fits (:func:`resident_that_fits`)."""
     _check(mode, gpus, sharding, resident_fraction)
