@@ -30,9 +30,10 @@ def predict(hw: Hardware, wl: Workload, mode: str, *, gpus: int = 1, config: Any
     from them (which params stay on the device, scratch): their host moments are fp32, as
     their software keeps them, whatever ``host_state_dtype`` says. ``sharding``: ``"ddp"``
     (each GPU holds the whole model) or ``"fsdp2"`` (``fully_shard``: each GPU holds 1/N of
-    the params, gradients and device state, and updates only its rows). ``resident_fraction``: the share of the Adam state that
-    ``"state-swap"`` keeps on the device (NeMo-RL's ``1 - optimizer_offload_fraction``);
-    None: the most that fits (:func:`resident_that_fits`)."""
+    the params, gradients and device state, and updates only its rows).
+    ``resident_fraction``: the share of the Adam state that ``"state-swap"`` keeps on the
+    device (NeMo-RL's ``1 - optimizer_offload_fraction``); None: the most that fits
+    (:func:`resident_that_fits`)."""
     _check(mode, gpus, sharding, resident_fraction)
     cfg = zenflow_config(config, **settings)
     if mode == "state-swap" and resident_fraction is None:
